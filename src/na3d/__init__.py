@@ -1,0 +1,14 @@
+"""na3d: exact, fast 3D neighborhood attention for PyTorch, in Triton.
+
+    import na3d
+    out = na3d.na3d(q, k, v, kernel_size=(3, 7, 7))        # NATTEN-compatible
+    out = na3d.na3d_flash_attn(q_scaled, k, v, (3, 7, 7))  # pre-scaled queries
+
+Tensors are ``(B, T, H, W, NH, HD)``; see ``na3d.api`` for the device policy.
+"""
+
+from .api import na3d, na3d_flash_attn
+from .reference import na3d_brute_force, na3d_sdpa_exact
+
+__all__ = ["na3d", "na3d_flash_attn", "na3d_brute_force", "na3d_sdpa_exact"]
+__version__ = "0.1.0"

@@ -1,0 +1,121 @@
+"""Kernel launch configurations: per-architecture JSON tables, chosen without tuning.
+
+``configs/<arch>.json`` (``sm90``, ``gfx942``, ...) lists buckets in order; the first
+bucket whose ``when`` conditions hold for a call gives its tile shapes, ``num_warps``
+and ``num_stages``. ``configs/default.json`` serves any architecture without a
+table of its own. ``python -m na3d.tune`` regenerates a table from measurements.
+
+Tiles are then fitted to the input: a tile dimension at least twice the grid
+dimension it covers would idle half its lanes, so it is halved and the factor moved
+to another dimension, keeping the tile's size (and the compiled kernel) unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from importlib import resources
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+Triple = Tuple[int, int, int]
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    q_tile: Triple
+    kv_tile: Triple
+    num_warps: int
+    num_stages: int
+    bucket: str = "explicit"
+
+    def __post_init__(self):
+        for name in ("q_tile", "kv_tile"):
+            tile = getattr(self, name)
+            if len(tile) != 3 or any(x < 1 or x & (x - 1) for x in tile):
+                raise ValueError(f"{name}={tile} must be three powers of two")
+            if math.prod(tile) < 16:
+                raise ValueError(f"{name}={tile} must hold at least 16 positions (tl.dot minimum)")
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device_index: int) -> str:
+    """``sm90`` for a CUDA device of capability 9.0, ``gfx942`` for an MI300X, ..."""
+    props = torch.cuda.get_device_properties(device_index)
+    gcn = getattr(props, "gcnArchName", None)
+    if torch.version.hip is not None and gcn:
+        return gcn.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(arch: str) -> dict:
+    """The JSON table for ``arch``, or the default table when there is none."""
+    folder = resources.files("na3d") / "configs"
+    path = folder / f"{arch}.json"
+    if not path.is_file():
+        path = folder / "default.json"
+    return json.loads(path.read_text())
+
+
+def _matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch.dtype) -> bool:
+    volume = math.prod(kernel_size)
+    checks = {
+        "head_dim_max": lambda x: head_dim <= x,
+        "head_dim_min": lambda x: head_dim >= x,
+        "kernel_volume_max": lambda x: volume <= x,
+        "kernel_volume_min": lambda x: volume >= x,
+        "kernel_w_min": lambda x: kernel_size[2] >= x,
+        "dtypes": lambda x: _DTYPE_NAMES.get(dtype) in x,
+    }
+    for key, value in when.items():
+        if key not in checks:
+            raise ValueError(f"unknown condition {key!r} in a config table")
+        if not checks[key](value):
+            return False
+    return True
+
+
+def _fit(tile: Sequence[int], extents: Sequence[int]) -> Triple:
+    """Move factors of two from tile dimensions far larger than their extent to others."""
+    tile = list(tile)
+    for _ in range(32):
+        over = [d for d in range(3) if tile[d] > 1 and tile[d] >= 2 * extents[d]]
+        room = [d for d in range(3) if tile[d] < extents[d]]
+        if not over or not room:
+            break
+        src = over[0]
+        dst = max(room, key=lambda d: extents[d] / tile[d])
+        tile[src] //= 2
+        tile[dst] *= 2
+    return tuple(tile)
+
+
+def forward_config(
+    arch: str,
+    shape: Sequence[int],
+    kernel_size: Sequence[int],
+    head_dim: int,
+    dtype: torch.dtype,
+) -> ForwardConfig:
+    """Launch configuration for the forward kernel on ``shape = (T, H, W)``."""
+    table = load_table(arch)
+    for entry in table["forward"]:
+        if _matches(entry.get("when", {}), head_dim, kernel_size, dtype):
+            break
+    else:
+        raise ValueError(f"config table for {arch} has no bucket for head_dim={head_dim}, "
+                         f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
+    q_tile = _fit(entry["q_tile"], shape)
+    unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
+    kv_tile = _fit(entry["kv_tile"], unions)
+    return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"])
+
+
+def table_buckets(arch: str) -> List[dict]:
+    return list(load_table(arch)["forward"])

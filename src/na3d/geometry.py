@@ -1,0 +1,159 @@
+"""Neighborhood geometry: the one place that says which keys a query sees.
+
+Every other part of the package (references, kernel launchers, tests, benchmark
+accounting) asks this module; nobody re-derives the window formula. The Triton
+kernels carry a device copy of :func:`window_start` (``kernels/common.py``), and a
+test checks the two agree on every (index, length, kernel) of a sweep.
+
+Definitions follow NATTEN (``natten/backends/flex.py``), per dimension of length
+``L`` with kernel size ``K`` and dilation 1, non-causal:
+
+* a query at index ``i`` sees keys ``[s, s + K)`` with
+  ``s = clamp(i - K // 2, 0, L - K)``: centered where possible and shifted inward at
+  the borders, so every query sees exactly ``K`` keys (``K // 2`` left and
+  ``K // 2 - 1`` right of the center for even ``K``: the same formula covers it);
+* a 3-D neighborhood is the product of three such 1-D windows.
+
+Dilation and causal masks (NATTEN's definitions) are written here too so that the
+references can state them; the Triton kernels support dilation 1, non-causal only,
+and the public API says so before anything runs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple, Union
+
+import torch
+
+IntOrTensor = Union[int, torch.Tensor]
+
+
+def _clamp(x: IntOrTensor, lo: IntOrTensor, hi: IntOrTensor) -> IntOrTensor:
+    if isinstance(x, torch.Tensor):
+        lo = torch.as_tensor(lo, dtype=x.dtype, device=x.device)
+        hi = torch.as_tensor(hi, dtype=x.dtype, device=x.device)
+        return torch.minimum(torch.maximum(x, lo), hi)
+    return min(max(x, lo), hi)
+
+
+def window_start(index: IntOrTensor, length: int, kernel_size: int) -> IntOrTensor:
+    """First key index of the window of query ``index`` (dilation 1, non-causal).
+
+    ``clamp(index - K // 2, 0, L - K)``. Works on Python ints and integer tensors.
+    """
+    return _clamp(index - kernel_size // 2, 0, length - kernel_size)
+
+
+def window_bounds(
+    index: IntOrTensor,
+    length: int,
+    kernel_size: int,
+    dilation: int = 1,
+    is_causal: bool = False,
+) -> Tuple[IntOrTensor, IntOrTensor]:
+    """Half-open key range ``[start, stop)`` seen by query ``index``, step ``dilation``.
+
+    With dilation ``d`` the axis splits into ``d`` groups by ``index % d``; inside a
+    group (its own length ``ceil((L - g) / d)``) the window is the dilation-1 window
+    of the query's position in the group. Causal: the ``K`` positions ending at the
+    query itself, clipped at 0 (fewer keys near the start). ``stop`` is exclusive and
+    always ``start + d * count`` for the ``count`` keys seen.
+    """
+    d = dilation
+    group = index % d
+    pos = index // d
+    group_len = (length - group + d - 1) // d
+    if is_causal:
+        first = _clamp(pos - kernel_size + 1, 0, pos)
+        last = pos + 1
+    else:
+        first = _clamp(pos - kernel_size // 2, 0, group_len - kernel_size)
+        last = first + kernel_size
+    return group + first * d, group + last * d
+
+
+def union_of_windows(first: int, last: int, length: int, kernel_size: int) -> Tuple[int, int]:
+    """``[start, stop)`` covering the windows of queries ``first..last`` (inclusive).
+
+    Window starts never decrease with the query index, so the union of the windows
+    of a contiguous run of queries is itself contiguous (dilation 1, non-causal).
+    """
+    return (window_start(first, length, kernel_size),
+            window_start(last, length, kernel_size) + kernel_size)
+
+
+def mask_1d(
+    length: int,
+    kernel_size: int,
+    dilation: int = 1,
+    is_causal: bool = False,
+    device: Union[str, torch.device, None] = None,
+) -> torch.Tensor:
+    """Boolean ``[length, length]`` matrix: ``[i, j]`` is True iff query i sees key j."""
+    i = torch.arange(length, device=device)
+    start, stop = window_bounds(i, length, kernel_size, dilation, is_causal)
+    j = torch.arange(length, device=device)
+    inside = (j[None, :] >= start[:, None]) & (j[None, :] < stop[:, None])
+    return inside & ((j[None, :] - start[:, None]) % dilation == 0)
+
+
+def neighborhood_mask(
+    shape: Sequence[int],
+    kernel_size: Sequence[int],
+    dilation: Sequence[int] = None,
+    is_causal: Sequence[bool] = None,
+    device: Union[str, torch.device, None] = None,
+) -> torch.Tensor:
+    """Boolean ``[N, N]`` mask over the flattened grid (row-major), N = prod(shape).
+
+    For brute-force references on tiny shapes only: it is quadratic in N.
+    """
+    nd = len(shape)
+    dilation = tuple(dilation) if dilation is not None else (1,) * nd
+    is_causal = tuple(is_causal) if is_causal is not None else (False,) * nd
+    mask = None
+    for d in range(nd):
+        m = mask_1d(shape[d], kernel_size[d], dilation[d], is_causal[d], device=device)
+        # This dimension's query axis goes to position d, its key axis to nd + d.
+        view = [1] * (2 * nd)
+        view[d] = shape[d]
+        view[nd + d] = shape[d]
+        m = m.reshape(view)
+        mask = m if mask is None else mask & m
+    n = 1
+    for s in shape:
+        n *= s
+    return mask.expand(*shape, *shape).reshape(n, n)
+
+
+def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int) -> int:
+    """Query-key pairs a tiled kernel computes along one dimension.
+
+    Queries are cut into runs of ``q_tile``; each run scans the union of its
+    windows in steps of ``kv_tile`` keys (the last step may run past the union).
+    The 3-D count is the product of the three 1-D counts, so
+    ``prod(tile_key_pairs_1d) / (N * prod(K))`` is the ratio of issued to useful
+    QK^T products of a kernel tiled that way.
+    """
+    total = 0
+    for first in range(0, length, q_tile):
+        last = min(first + q_tile, length) - 1
+        start, stop = union_of_windows(first, last, length, kernel_size)
+        n_kv = -(-(stop - start) // kv_tile)
+        total += q_tile * n_kv * kv_tile
+    return total
+
+
+def issued_flops_ratio(
+    shape: Sequence[int],
+    kernel_size: Sequence[int],
+    q_tile: Sequence[int],
+    kv_tile: Sequence[int],
+) -> float:
+    """Ratio of QK^T (and PV) products issued by a box-tiled kernel to useful ones."""
+    issued = 1.0
+    useful = 1.0
+    for L, K, qt, kt in zip(shape, kernel_size, q_tile, kv_tile):
+        issued *= tile_key_pairs_1d(L, K, qt, kt)
+        useful *= L * K
+    return issued / useful

@@ -1,0 +1,1 @@
+"""Triton kernels. Only launchers (``na3d/ops``) import from here."""

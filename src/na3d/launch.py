@@ -1,0 +1,85 @@
+"""Launchers for the Triton kernels: configuration, grid, strides, output buffers.
+
+Only this module imports ``na3d.kernels``; the public API (``api.py``) validates
+arguments before anything here runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import configs
+
+LOG2_E = 1.4426950408889634
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were defined under ``TRITON_INTERPRET=1`` (CPU tensors run)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from .kernels.forward import na3d_fwd_kernel
+    except ImportError:  # no Triton at all: CPU calls use the PyTorch reference
+        return False
+    return isinstance(na3d_fwd_kernel, InterpretedFunction)
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "default"
+    return configs.device_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def forward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.ForwardConfig:
+    _, T, H, W, _, HD = q.shape
+    return configs.forward_config(_arch(q.device), (T, H, W), kernel_size, HD, q.dtype)
+
+
+def na3d_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: Sequence[int],
+    scale: float,
+    need_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    config: Optional[configs.ForwardConfig] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run the forward kernel on validated ``(B, T, H, W, NH, HD)`` inputs.
+
+    ``out`` (optional, any strides with innermost stride 1) receives the result; the
+    tests pass a NaN-filled one so that an element the kernel never writes shows.
+    Returns ``(out, lse)``, ``lse`` float32 ``(B, T, H, W, NH)`` or None.
+    """
+    from .kernels.forward import na3d_fwd_kernel
+
+    B, T, H, W, NH, HD = q.shape
+    KT, KH, KW = kernel_size
+    cfg = config or forward_config(q, kernel_size)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
+    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.q_tile)]
+    grid = (tiles[0] * tiles[1] * tiles[2], NH, B)
+    na3d_fwd_kernel[grid](
+        q, k, v, out, lse if lse is not None else out,
+        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5],
+        T, H, W, KT, KH, KW, tiles[1], tiles[2],
+        scale * LOG2_E,
+        HEAD_DIM=HD,
+        BLOCK_D=max(16, triton_next_power_of_2(HD)),
+        Q_T=cfg.q_tile[0], Q_H=cfg.q_tile[1], Q_W=cfg.q_tile[2],
+        KV_T=cfg.kv_tile[0], KV_H=cfg.kv_tile[1], KV_W=cfg.kv_tile[2],
+        STORE_LSE=need_lse,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
