@@ -40,7 +40,8 @@ def _triple(value, name: str, kind: type) -> tuple:
         return (value,) * 3
     if isinstance(value, (tuple, list)) and len(value) == 3 and all(ok(x) for x in value):
         return tuple(value)
-    raise TypeError(f"{name}={value!r} must be a {kind.__name__} or a tuple of 3 {kind.__name__}s")
+    article = "an" if kind is int else "a"
+    raise TypeError(f"{name}={value!r} must be {article} {kind.__name__} or a tuple of 3 {kind.__name__}s")
 
 
 def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

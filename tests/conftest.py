@@ -1,0 +1,16 @@
+"""Test setup: on a machine without a GPU, run the Triton kernels in the interpreter.
+
+``TRITON_INTERPRET`` must be set before the kernel modules are imported, so it is
+set here, before any test imports ``na3d``. On a GPU machine the kernels compile for
+the GPU and the ``gpu`` tests exercise them.
+"""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(__file__))

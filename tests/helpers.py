@@ -1,0 +1,73 @@
+"""Shared test helpers: input layouts, the derived-tolerance comparison, poisoning."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import na3d
+
+LAYOUTS = ("contiguous", "fused_qkv", "fused_heads", "heads_first")
+
+
+def make_qkv(shape, dtype, layout="contiguous", device="cpu", seed=0):
+    """q, k, v of ``shape = (B, T, H, W, NH, HD)`` laid out as a model would hand them over.
+
+    * ``contiguous``: three separate tensors;
+    * ``fused_qkv``: slices of one ``(B, T, H, W, 3 * NH * HD)`` projection, split on
+      the last dim (what ``Linear(C, 3C)`` gives);
+    * ``fused_heads``: ``(B, T, H, W, NH, 3, HD)`` indexed on dim -2;
+    * ``heads_first``: ``(B, NH, T, H, W, HD)`` tensors permuted to heads-last.
+    """
+    B, T, H, W, NH, HD = shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
+
+    if layout == "contiguous":
+        return tuple(rand(*shape) for _ in range(3))
+    if layout == "fused_qkv":
+        x = rand(B, T, H, W, 3 * NH * HD)
+        return tuple(t.unflatten(-1, (NH, HD)) for t in x.split(NH * HD, dim=-1))
+    if layout == "fused_heads":
+        x = rand(B, T, H, W, NH, 3, HD)
+        return x[..., 0, :], x[..., 1, :], x[..., 2, :]
+    if layout == "heads_first":
+        return tuple(rand(B, NH, T, H, W, HD).permute(0, 2, 3, 4, 1, 5) for _ in range(3))
+    raise ValueError(layout)
+
+
+def tolerance(q, k, v, kernel_size, scale, oracle):
+    """Allowed max abs error: twice PyTorch's own error at q's dtype, plus a rounding band.
+
+    PyTorch's error is that of the same dense masked attention computed with tensors
+    of q's dtype (``compute_dtype=None``), measured against the float64 oracle.
+    """
+    same_math = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, compute_dtype=None)
+    torch_err = (same_math.double() - oracle).abs().max().item()
+    band = 2 * torch.finfo(q.dtype).eps * max(1.0, oracle.abs().max().item())
+    return 2 * torch_err + band
+
+
+def assert_matches_oracle(out, q, k, v, kernel_size, scale):
+    oracle = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any(), "output has NaNs: an element was never written"
+    err = (out.double() - oracle).abs().max().item()
+    tol = tolerance(q, k, v, kernel_size, scale, oracle)
+    assert err <= tol, f"max abs error {err:.3e} > tolerance {tol:.3e}"
+    return err
+
+
+def poisoned_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+def default_scale(q):
+    return q.shape[-1] ** -0.5
+
+
+def numel(shape):
+    return math.prod(shape)

@@ -1,0 +1,112 @@
+"""The Triton forward kernel against the float64 oracle.
+
+On a machine without a GPU these run in the Triton interpreter (fp16 and fp32 only:
+the interpreter computes bf16 dots wrongly); on a GPU they run compiled, and
+``test_gpu.py`` adds bf16 and the large shapes.
+"""
+
+import pytest
+import torch
+
+import na3d
+from na3d import launch
+from na3d.configs import ForwardConfig
+from helpers import LAYOUTS, assert_matches_oracle, make_qkv, poisoned_like
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.kernels_interpreted(),
+    reason="no GPU and the Triton interpreter is not active")
+
+AWKWARD = [
+    # (B, T, H, W, NH, HD), kernel
+    ((1, 5, 6, 7, 2, 32), (3, 3, 5)),      # odd sizes
+    ((2, 3, 5, 9, 3, 16), (3, 5, 9)),      # kernel = dimension, B > 1
+    ((1, 4, 4, 4, 2, 16), (1, 1, 1)),      # kernel 1
+    ((1, 2, 3, 37, 1, 64), (1, 3, 11)),    # W not a multiple of any block, long W window
+    ((2, 7, 2, 5, 2, 16), (5, 1, 3)),      # T > H, kernel 1 along H
+    ((1, 1, 1, 19, 1, 48), (1, 1, 7)),     # 1-D grid, head dim not a power of two
+]
+
+
+def run_poisoned(q, k, v, kernel, scale, config=None, need_lse=False):
+    out = poisoned_like(q)
+    res, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=need_lse, out=out, config=config)
+    assert res is out
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", AWKWARD)
+def test_forward_awkward_shapes(shape, kernel, dtype):
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=sum(shape) + sum(kernel))
+    out, _ = run_poisoned(q, k, v, kernel, shape[-1] ** -0.5)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_strided_views_without_copies(layout):
+    shape, kernel = (2, 3, 4, 6, 2, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float16, layout, device=DEVICE, seed=11)
+    if layout != "contiguous":
+        assert not q.is_contiguous()
+    out, _ = run_poisoned(q, k, v, kernel, 0.25)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)
+
+
+def test_forward_writes_strided_output():
+    shape, kernel = (1, 3, 4, 6, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=2)
+    big = torch.full((1, 3, 4, 6, 2, 3, 16), float("nan"), device=DEVICE)
+    out = big[..., 1, :]
+    launch.na3d_forward(q, k, v, kernel, 0.25, out=out)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)
+    assert torch.isnan(big[..., 0, :]).all() and torch.isnan(big[..., 2, :]).all(), "wrote outside out"
+
+
+TILINGS = [
+    ((1, 2, 8), (1, 1, 16)),    # query box cut by the W border, W = 7
+    ((4, 4, 4), (2, 2, 4)),     # query box larger than T = 3
+    ((2, 8, 1), (1, 16, 1)),    # query box one wide: all along H
+    ((1, 1, 16), (4, 2, 2)),    # key box deeper than the union along T
+    ((8, 2, 1), (1, 1, 16)),
+]
+
+
+@pytest.mark.parametrize("q_tile,kv_tile", TILINGS)
+def test_forward_tilings_cut_by_borders(q_tile, kv_tile):
+    shape, kernel = (1, 3, 9, 7, 1, 16), (3, 5, 3)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=7)
+    cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=1)
+    out, _ = run_poisoned(q, k, v, kernel, 0.3, config=cfg)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_forward_lse(dtype):
+    shape, kernel = (2, 3, 5, 6, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=4)
+    out, lse = run_poisoned(q, k, v, kernel, 0.25, need_lse=True)
+    _, want = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=0.25, return_lse=True)
+    assert lse.shape == shape[:5] and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.cpu().double(), want, rtol=0, atol=2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_public_api_runs_kernel_and_scale_conventions():
+    shape, kernel = (1, 3, 4, 5, 2, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=9)
+    scale = 16 ** -0.5
+    a = na3d.na3d(q, k, v, kernel)                       # scale None -> HD ** -0.5
+    b = na3d.na3d_flash_attn(q * scale, k, v, kernel)    # pre-scaled queries
+    c = na3d.na3d(q, k, v, 3, scale=scale)              # int kernel size
+    assert_matches_oracle(a.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale)
+    torch.testing.assert_close(a, c, rtol=0, atol=0)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_is_deterministic():
+    shape, kernel = (1, 3, 5, 7, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float16, device=DEVICE, seed=1)
+    a = na3d.na3d(q, k, v, kernel)
+    b = na3d.na3d(q, k, v, kernel)
+    assert torch.equal(a, b)

@@ -1,0 +1,119 @@
+"""The geometry module against NATTEN's definition, and the kernels' copy of it."""
+
+import itertools
+
+import pytest
+import torch
+
+from na3d import geometry
+
+
+def natten_sees(q, k, length, kernel, dilation=1, causal=False):
+    """Query q sees key k: a literal transcription of NATTEN's flex mask (stride 1)."""
+    d = dilation
+    qg, kg = q % d, k % d
+    qd, kd = q // d, k // d
+    group_len = length // d + (1 if qg < length % d else 0)
+    if qg != kg:
+        return False
+    if causal:
+        return qd - kd >= 0 and qd - kd < kernel
+    left, right = kernel // 2, kernel // 2 + (kernel % 2 - 1)
+    center = min(max(qd, left), group_len - 1 - right)
+    return 0 <= center - kd <= left or 0 <= kd - center <= right
+
+
+CASES = [(L, K, d, c) for L in (1, 2, 5, 8, 13) for K in range(1, L + 1) for d in (1, 2, 3)
+         for c in (False, True) if K * d <= L]
+
+
+@pytest.mark.parametrize("length,kernel,dilation,causal", CASES)
+def test_mask_1d_equals_natten(length, kernel, dilation, causal):
+    got = geometry.mask_1d(length, kernel, dilation, causal)
+    want = torch.tensor([[natten_sees(q, k, length, kernel, dilation, causal) for k in range(length)]
+                         for q in range(length)])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("length", [1, 4, 7, 16])
+def test_every_query_sees_exactly_k_keys(length):
+    for kernel in range(1, length + 1):
+        assert (geometry.mask_1d(length, kernel).sum(1) == kernel).all()
+        starts = [geometry.window_start(i, length, kernel) for i in range(length)]
+        assert starts == sorted(starts), "window starts must not decrease"
+
+
+def test_window_start_int_and_tensor_agree():
+    for length, kernel in itertools.product(range(1, 12), range(1, 12)):
+        if kernel > length:
+            continue
+        idx = torch.arange(length)
+        assert geometry.window_start(idx, length, kernel).tolist() == [
+            geometry.window_start(i, length, kernel) for i in range(length)]
+
+
+def test_union_of_windows_is_the_union():
+    for length, kernel in [(9, 3), (9, 9), (13, 5), (6, 1)]:
+        m = geometry.mask_1d(length, kernel)
+        for first in range(length):
+            for last in range(first, length):
+                keys = m[first:last + 1].any(0).nonzero().flatten()
+                start, stop = geometry.union_of_windows(first, last, length, kernel)
+                assert keys.tolist() == list(range(start, stop))
+
+
+def test_neighborhood_mask_is_product_of_axes():
+    shape, kernel = (3, 4, 5), (3, 3, 5)
+    m = geometry.neighborhood_mask(shape, kernel)
+    idx = list(itertools.product(*(range(s) for s in shape)))
+    axes = [geometry.mask_1d(s, k) for s, k in zip(shape, kernel)]
+    for a, qa in enumerate(idx):
+        for b, kb in enumerate(idx):
+            assert m[a, b] == all(ax[i, j] for ax, i, j in zip(axes, qa, kb))
+    assert (m.sum(1) == 3 * 3 * 5).all()
+
+
+def test_issued_flops_ratio_counts_padded_work():
+    # Kernel equal to the grid and one tile over everything: nothing wasted.
+    assert geometry.issued_flops_ratio((4, 4, 4), (4, 4, 4), (4, 4, 4), (4, 4, 4)) == 1.0
+    # Brute-force count for a small case.
+    shape, kernel, qt, kt = (5, 6, 7), (3, 3, 5), (2, 4, 4), (1, 2, 4)
+    issued = 1
+    for L, K, a, b in zip(shape, kernel, qt, kt):
+        total = 0
+        for first in range(0, L, a):
+            s, e = geometry.union_of_windows(first, min(first + a, L) - 1, L, K)
+            total += a * b * -(-(e - s) // b)
+        issued *= total
+    useful = 5 * 6 * 7 * 3 * 3 * 5
+    assert geometry.issued_flops_ratio(shape, kernel, qt, kt) == pytest.approx(issued / useful)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    from na3d.kernels.common import window_start as device_window_start
+
+    @triton.jit
+    def _window_start_probe(Out, L, K, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(Out + i, device_window_start(i, L, K), mask=i < L)
+except ImportError:  # pragma: no cover - Triton is a test dependency
+    triton = None
+
+
+def test_device_window_start_matches_geometry():
+    """The kernels' ``window_start`` (interpreter or GPU) equals the Python one."""
+    from na3d.launch import kernels_interpreted
+
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not kernels_interpreted():
+        pytest.skip("no GPU and the Triton interpreter is not active")
+    for length, kernel in [(1, 1), (7, 1), (7, 3), (7, 7), (16, 5), (33, 11), (64, 27)]:
+        out = torch.full((64,), -1, dtype=torch.int32, device=device)
+        _window_start_probe[(1,)](out, length, kernel, BLOCK=64)
+        want = [geometry.window_start(i, length, kernel) for i in range(length)]
+        assert out[:length].tolist() == want

@@ -1,0 +1,129 @@
+"""Bad input raises ValueError/TypeError naming the argument, before any launch."""
+
+import pytest
+import torch
+
+import na3d
+from na3d import api, launch
+
+
+@pytest.fixture
+def qkv():
+    return tuple(torch.randn(1, 3, 4, 5, 2, 16) for _ in range(3))
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Any launch during these tests is a failure: checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel or reference ran before validation finished")
+
+    monkeypatch.setattr(launch, "na3d_forward", refuse)
+    monkeypatch.setattr(api.reference, "na3d_sdpa_exact", refuse)
+
+
+def call(q, k, v, kernel_size=3, **kw):
+    return na3d.na3d(q, k, v, kernel_size, **kw)
+
+
+def test_not_a_tensor(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+        call(q, k.numpy(), v)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5, 2, 16), (1, 1, 3, 4, 5, 2, 16)])
+def test_wrong_rank(qkv, shape):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=r"query must have rank 6.*query.shape="):
+        call(torch.randn(shape), k, v)
+
+
+def test_shapes_differ(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="same shape"):
+        call(q, k, torch.randn(1, 3, 4, 5, 3, 16))
+    with pytest.raises(ValueError, match="same shape"):
+        call(q, torch.randn(1, 3, 4, 6, 2, 16), v)
+
+
+def test_dtypes_differ_or_unsupported(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="share one dtype"):
+        call(q, k.half(), v)
+    with pytest.raises(TypeError, match=r"query.dtype=torch.float64 is not supported"):
+        call(q.double(), k.double(), v.double())
+    with pytest.raises(TypeError, match="not supported"):
+        call(q.to(torch.int32), k, v)
+
+
+def test_devices_differ(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="one device"):
+        call(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("kernel_size,pattern", [
+    (0, "between 1 and"),
+    (-1, "between 1 and"),
+    ((3, 3, 7), "along W it must be between 1 and the input size 5; got 7"),
+    ((5, 3, 3), "along T"),
+    ((3, 4, 3), "even kernel sizes"),
+    ((3, 3), "tuple of 3"),
+    ((3, 3, 3, 3), "tuple of 3"),
+    (3.0, "must be an int"),
+    ((3, 3, True), "tuple of 3"),
+    ("3", "must be an int"),
+])
+def test_bad_kernel_size(qkv, kernel_size, pattern):
+    q, k, v = qkv
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        call(q, k, v, kernel_size)
+
+
+@pytest.mark.parametrize("head_dim", [4, 12, 264, 512])
+def test_unsupported_head_dim(head_dim):
+    q = torch.randn(1, 3, 3, 3, 1, head_dim)
+    with pytest.raises(ValueError, match=f"head dim {head_dim}"):
+        call(q, q, q)
+
+
+def test_innermost_stride(qkv):
+    q, k, v = qkv
+    bad = torch.randn(1, 3, 4, 5, 2, 32)[..., ::2]
+    with pytest.raises(ValueError, match=r"value must have innermost stride 1.*stride\(\)="):
+        call(q, k, bad)
+
+
+def test_scale_and_flags(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="scale"):
+        call(q, k, v, scale="0.1")
+    with pytest.raises(TypeError, match="scale"):
+        call(q, k, v, scale=float("nan"))
+    with pytest.raises(TypeError, match="return_lse"):
+        call(q, k, v, return_lse=1)
+    with pytest.raises(TypeError, match="is_causal"):
+        call(q, k, v, is_causal=(True, False))
+    with pytest.raises(TypeError, match="dilation"):
+        call(q, k, v, dilation=(1, 1))
+
+
+@pytest.mark.parametrize("kwargs", [dict(stride=2), dict(dilation=2), dict(is_causal=True),
+                                    dict(is_causal=(False, False, True))])
+def test_not_yet_supported_features_say_so(qkv, kwargs):
+    q, k, v = qkv
+    with pytest.raises(NotImplementedError):
+        call(q, k, v, **kwargs)
+
+
+def test_grad_is_refused_not_dropped(qkv):
+    q, k, v = qkv
+    with pytest.raises(NotImplementedError, match="no backward"):
+        call(q.requires_grad_(), k, v)
+
+
+def test_flash_attn_validates_too(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="kernel_size"):
+        na3d.na3d_flash_attn(q, k, v, (3, 3, 9))
