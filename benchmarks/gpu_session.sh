@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU session: tune (optional), benchmark, GPU tests. Logs and results go to $OUT.
+#   bash benchmarks/gpu_session.sh [tune] [bench] [test] [bench-args...]
+# Each step has its own time limit so one slow step cannot starve the others.
+set -u
+OUT=${OUT:-/tmp/na3d-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+COMMIT=${NA3D_COMMIT:-unknown}
+steps=" $* "
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/env.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+if [[ $steps == *" tune "* ]]; then
+  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tune --write --log "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+  echo "tune rc=$?"; grep -E "bucket|WRONG|failed" "$OUT/tune.log" | tail -20
+  cp src/na3d/configs/sm90.json "$OUT/sm90.json"
+fi
+if [[ $steps == *" bench "* ]]; then
+  echo "=== bench"; timeout ${BENCH_S:-300} python3 -m na3d.bench --commit "$COMMIT" --out-dir "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; tail -12 "$OUT/bench.log"
+fi
+if [[ $steps == *" test "* ]]; then
+  echo "=== test"; timeout ${TEST_S:-240} python3 -m pytest -q -x --timeout 200 tests ${TEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
+fi

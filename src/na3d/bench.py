@@ -1,0 +1,285 @@
+"""Benchmark: na3d against the exact grouped-SDPA reference and FlexAttention.
+
+    python -m na3d.bench                 # forward, the six LTX-2.5 shapes, bf16
+    python -m na3d.bench --shapes edge-wide ltx-stage1 --no-flex
+
+On a GPU, in one process: measures the two ceilings (device-to-device copy
+bandwidth; dense SDPA flash-attention rate), then per shape times every method
+(median of many runs, L2 flushed before each), checks na3d's error against a float32
+oracle, prints a table and writes ``benchmarks/results/<device>.json`` and a plot.
+Without a GPU it says so and runs a small CPU demonstration instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib import resources
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import geometry, launch
+from .api import na3d
+from .reference import na3d_brute_force, na3d_sdpa_exact
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def bench_shapes() -> List[dict]:
+    return json.loads((resources.files("na3d") / "bench_shapes.json").read_text())["shapes"]
+
+
+def useful_flops(shape, kernel_size) -> float:
+    B, T, H, W, NH, HD = shape
+    return 4.0 * B * T * H * W * NH * HD * math.prod(kernel_size)
+
+
+def min_bytes(shape, elt: int) -> float:
+    B, T, H, W, NH, HD = shape
+    return 4.0 * B * T * H * W * NH * HD * elt
+
+
+class Timer:
+    """Median CUDA-event time of ``fn``, with L2 flushed before every run."""
+
+    def __init__(self, device, flush_bytes: int = 256 << 20):
+        self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn: Callable, min_runs: int = 10, target_ms: float = 300.0,
+                 max_runs: int = 200) -> float:
+        fn()  # warm-up: compilation, autotuning of dependencies, allocator
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        est = (time.perf_counter() - t0) * 1e3
+        runs = int(min(max_runs, max(min_runs, target_ms / max(est, 1e-3))))
+        times = []
+        for _ in range(runs):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def measure_ceilings(timer: Timer, device) -> Dict[str, float]:
+    """Copy bandwidth (TB/s, read + written) and dense SDPA flash rate (TFLOP/s)."""
+    n = (2 << 30) // 2  # 2 GiB of bf16
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src), min_runs=20)
+    copy_tbs = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+    del src, dst
+    B, heads, seq, hd = 1, 8, 32768, 64
+    q, k, v = (torch.randn(B, heads, seq, hd, dtype=torch.bfloat16, device=device) for _ in range(3))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def dense():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v)
+
+    ms = timer(dense, min_runs=10)
+    tflops = 4.0 * B * heads * seq * seq * hd / (ms * 1e-3) / 1e12
+    return {"copy_tbs": round(copy_tbs, 3), "dense_attn_tflops": round(tflops, 1)}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(__file__))
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_slug(name: str) -> str:
+    for key in ("H200", "H100", "B200", "A100", "MI300X", "MI350X", "MI355X"):
+        if key.lower() in name.lower():
+            return key.lower()
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "gpu"
+
+
+def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
+                dtype=torch.bfloat16) -> dict:
+    """Time every method on one shape; error of na3d against a float32 oracle."""
+    name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
+    B, T, H, W, NH, HD = shape
+    scale = HD ** -0.5
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(3))
+    flops, nbytes = useful_flops(shape, ks), min_bytes(shape, q.element_size())
+    floor_ms = max(flops / (ceilings["dense_attn_tflops"] * 1e12), nbytes / (ceilings["copy_tbs"] * 1e12)) * 1e3
+    cfg = launch.forward_config(q, ks)
+    row = {"name": name, "shape": list(shape), "kernel_size": list(ks), "dtype": str(dtype).split(".")[-1],
+           "pass": "fwd", "ms": {}, "floor_ms": round(floor_ms, 5),
+           "floor_bound": "compute" if flops / (ceilings["dense_attn_tflops"] * 1e12)
+           > nbytes / (ceilings["copy_tbs"] * 1e12) else "memory",
+           "config": {"q_tile": list(cfg.q_tile), "kv_tile": list(cfg.kv_tile), "num_warps": cfg.num_warps,
+                      "num_stages": cfg.num_stages, "bucket": cfg.bucket},
+           "flops_issued_ratio": round(geometry.issued_flops_ratio((T, H, W), ks, cfg.q_tile, cfg.kv_tile), 3)}
+
+    log(f"  {name}: oracle (float32 grouped SDPA)")
+    oracle = na3d_sdpa_exact(q.float(), k.float(), v.float(), ks, scale=scale)
+    out = na3d(q, k, v, ks, scale=scale)
+    row["max_abs_err"] = float((out.float() - oracle).abs().max())
+    ref_bf16 = na3d_sdpa_exact(q, k, v, ks, scale=scale)
+    row["sdpa_exact_max_abs_err"] = float((ref_bf16.float() - oracle).abs().max())
+    del oracle, out, ref_bf16
+
+    runners = {
+        "na3d": lambda: na3d(q, k, v, ks, scale=scale),
+        "sdpa_exact": lambda: na3d_sdpa_exact(q, k, v, ks, scale=scale),
+    }
+    if "flex" in methods:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            from .flex_baseline import neighborhood_block_mask, to_flex_layout
+            log(f"  {name}: flex block mask + compile")
+            t0 = time.perf_counter()
+            bm = neighborhood_block_mask((T, H, W), ks, 128, device=device)
+            fq, fk, fv = (to_flex_layout(x) for x in (q, k, v))
+            flex_fn = torch.compile(flex_attention, dynamic=False)
+            flex_fn(fq, fk, fv, block_mask=bm, scale=scale)
+            row["flex_setup_s"] = round(time.perf_counter() - t0, 1)
+            runners["flex"] = lambda: flex_fn(fq, fk, fv, block_mask=bm, scale=scale)
+        except Exception as exc:  # report, keep benchmarking the rest
+            row["flex_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log(f"  {name}: flex failed: {row['flex_error']}")
+    for method in methods:
+        if method not in runners:
+            continue
+        log(f"  {name}: timing {method}")
+        slow = method != "na3d"
+        row["ms"][method] = round(timer(runners[method], min_runs=5 if slow else 20,
+                                        target_ms=1000 if slow else 300), 5)
+    row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    if "na3d" in row["ms"]:
+        t = row["ms"]["na3d"] * 1e-3
+        row["na3d_tflops"] = round(flops / t / 1e12, 1)
+        row["na3d_tbs"] = round(nbytes / t / 1e12, 3)
+        row["speedup_vs"] = {m: round(ms / row["ms"]["na3d"], 2) for m, ms in row["ms"].items() if m != "na3d"}
+    return row
+
+
+def print_table(rows: List[dict]) -> None:
+    head = f"{'shape':<18}{'na3d ms':>10}{'x_floor':>9}{'TFLOP/s':>9}{'TB/s':>7}{'sdpa ms':>10}{'flex ms':>10}" \
+           f"{'floor ms':>10}{'issued':>8}{'max err':>10}"
+    log(head)
+    for r in rows:
+        ms = r["ms"]
+        log(f"{r['name']:<18}{ms.get('na3d', float('nan')):>10.4f}{r['x_floor'].get('na3d', float('nan')):>9.2f}"
+            f"{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
+            f"{ms.get('sdpa_exact', float('nan')):>10.3f}{ms.get('flex', float('nan')):>10.3f}"
+            f"{r['floor_ms']:>10.4f}{r['flops_issued_ratio']:>8.2f}{r.get('max_abs_err', float('nan')):>10.2e}")
+
+
+def plot(rows: List[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot")
+        return
+    methods = [m for m in ("na3d", "flex", "sdpa_exact") if any(m in r["ms"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r["ms"].get(m, float("nan")) for r in rows], width, label=m)
+    for j, r in enumerate(rows):
+        ax.hlines(r["floor_ms"], j - width / 2, j + width * (len(methods) - 0.5), colors="k",
+                  linestyles="--", label="roofline floor" if j == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['name']}\n{r['pass']}" for r in rows], fontsize=8)
+    ax.set_ylabel("ms (median, log scale)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def cpu_demo() -> None:
+    log("No GPU found: running a small CPU demonstration instead (no results file written).")
+    log(f"Kernels {'run in the Triton interpreter' if launch.kernels_interpreted() else 'are not used on the CPU; the exact PyTorch reference runs'}.")
+    shape, ks = (1, 6, 8, 10, 2, 32), (3, 5, 5)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    t0 = time.perf_counter()
+    out = na3d(q, k, v, ks)
+    t1 = time.perf_counter()
+    oracle = na3d_brute_force(q, k, v, ks)
+    err = (out.double() - oracle).abs().max().item()
+    log(f"na3d on {shape} kernel {ks}, float32, CPU: {1e3 * (t1 - t0):.1f} ms, max abs error vs float64 "
+        f"brute force {err:.2e}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m na3d.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="*", help="shape names from bench_shapes.json (default: all)")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the grouped-SDPA reference")
+    parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--commit", default=None, help="git sha of the measured tree (default: git rev-parse)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        cpu_demo()
+        return 0
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    specs = bench_shapes()
+    if args.shapes:
+        unknown = set(args.shapes) - {s["name"] for s in specs}
+        if unknown:
+            parser.error(f"unknown shapes {sorted(unknown)}; known: {[s['name'] for s in specs]}")
+        specs = [s for s in specs if s["name"] in args.shapes]
+    methods = ["na3d"] + ([] if args.no_reference else ["sdpa_exact"]) + ([] if args.no_flex else ["flex"])
+    timer = Timer(device)
+    log(f"device: {name}; torch {torch.__version__}; measuring ceilings")
+    ceilings = measure_ceilings(timer, device)
+    log(f"ceilings: copy {ceilings['copy_tbs']} TB/s, dense SDPA flash {ceilings['dense_attn_tflops']} TFLOP/s")
+    rows = []
+    for i, spec in enumerate(specs):
+        log(f"[{i + 1}/{len(specs)}] {spec['name']} {spec['shape']} kernel {spec['kernel_size']}")
+        rows.append(forward_row(spec, timer, ceilings, device, methods))
+        torch.cuda.empty_cache()
+    print_table(rows)
+    if args.no_write:
+        return 0
+    import triton
+    result = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "commit": args.commit or git_commit(),
+              "date": datetime.date.today().isoformat(), "ceilings": ceilings, "rows": rows}
+    os.makedirs(args.out_dir, exist_ok=True)
+    slug = device_slug(name)
+    path = os.path.join(args.out_dir, f"{slug}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {path}")
+    plot(rows, os.path.join(args.out_dir, f"{slug}.png"), f"na3d forward on {name} (bf16)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
