@@ -87,15 +87,19 @@ def _check_kernel_size(kernel_size: IntOrTriple, spatial: Sequence[int]) -> Tupl
 
 
 def _run(query, key, value, kernel_size, scale: float, return_lse: bool):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise NotImplementedError(
-            "na3d has no backward pass yet: call it under torch.no_grad() or on tensors "
-            "that do not require grad (gradients would otherwise be silently lost)")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if query.numel() == 0:
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         return (out, lse) if return_lse else out
-    if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
+    use_kernels = query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted())
+    if use_kernels and needs_grad:
+        if query.device.type == "cuda":
+            raise NotImplementedError(
+                "na3d has no backward kernel yet: call it under torch.no_grad() or on tensors "
+                "that do not require grad (gradients would otherwise be silently lost)")
+        use_kernels = False  # the CPU reference differentiates through autograd
+    if use_kernels:
         out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse)
         return (out, lse) if return_lse else out
     if return_lse:
