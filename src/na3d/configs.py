@@ -41,6 +41,9 @@ class ForwardConfig:
                 raise ValueError(f"{name}={tile} must be three powers of two")
             if math.prod(tile) < 16:
                 raise ValueError(f"{name}={tile} must hold at least 16 positions (tl.dot minimum)")
+        if math.prod(self.kv_tile) > 64 or self.kv_tile[2] > 32:
+            raise ValueError(f"kv_tile={self.kv_tile} must hold at most 64 keys, at most 32 along W "
+                             "(one visibility bit per key in a 64-bit word)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,12 +84,12 @@ def _matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch
     return True
 
 
-def _fit(tile: Sequence[int], extents: Sequence[int]) -> Triple:
+def _fit(tile: Sequence[int], extents: Sequence[int], max_w: int = 1 << 30) -> Triple:
     """Move factors of two from tile dimensions far larger than their extent to others."""
     tile = list(tile)
     for _ in range(32):
         over = [d for d in range(3) if tile[d] > 1 and tile[d] >= 2 * extents[d]]
-        room = [d for d in range(3) if tile[d] < extents[d]]
+        room = [d for d in range(3) if tile[d] < extents[d] and (d < 2 or tile[d] < max_w)]
         if not over or not room:
             break
         src = over[0]
@@ -113,7 +116,7 @@ def forward_config(
                          f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
     q_tile = _fit(entry["q_tile"], shape)
     unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
-    kv_tile = _fit(entry["kv_tile"], unions)
+    kv_tile = _fit(entry["kv_tile"], unions, max_w=32)
     return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"])
 
 

@@ -35,32 +35,77 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     T, H, W = shape
     q_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (64, 128)
                and all(x <= max(1, 2 * L) for x, L in zip(t, shape))]
-    kv_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64, 128)]
+    kv_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64) and t[2] <= 32]
     scored = []
     for qt in q_tiles:
         for kt in kv_tiles:
-            fitted = configs._fit(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)])
+            fitted = configs._fit(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)], max_w=32)
             if fitted != kt:
                 continue
             scored.append((geometry.issued_flops_ratio(shape, kernel, qt, kt), math.prod(qt), qt, kt))
     scored.sort()
-    picked, seen_q = [], {}
-    for ratio, bq, qt, kt in scored:  # at most two key tiles per query tile, for variety
-        if seen_q.get(qt, 0) >= 2:
+
+    def best(n, keep):
+        picked, seen_q = [], {}
+        for ratio, bq, qt, kt in scored:  # at most two key boxes per query box, for variety
+            if not keep(qt, kt) or seen_q.get(qt, 0) >= 2:
+                continue
+            seen_q[qt] = seen_q.get(qt, 0) + 1
+            picked.append((qt, kt))
+            if len(picked) >= n:
+                break
+        return picked
+
+    # The fewest issued products overall, and the best of the two other families the
+    # model cannot rank against them: 128-query boxes (half the K/V traffic per query)
+    # and 32-key boxes (cheaper 32-bit visibility words).
+    picked = best(top, lambda qt, kt: True)
+    picked += best(2, lambda qt, kt: math.prod(qt) == 128)
+    picked += best(2, lambda qt, kt: math.prod(kt) == 32)
+    return list(dict.fromkeys(picked))
+
+
+def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, device) -> Dict[str, float]:
+    """Time each candidate on one shape after checking it against the exact reference."""
+    name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
+    HD = shape[-1]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=device) for _ in range(3))
+    oracle = na3d_sdpa_exact(q.float(), k.float(), v.float(), ks)
+    ref_err = (na3d_sdpa_exact(q, k, v, ks).float() - oracle).abs().max().item()
+    tol = 2 * ref_err + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, oracle.abs().max().item())
+    times = {}
+    for cfg in candidates:
+        key = config_key(cfg)
+        out = torch.full_like(q, float("nan"))
+        t0 = time.perf_counter()
+        try:
+            launch.na3d_forward(q, k, v, ks, HD ** -0.5, out=out, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            log(f"{name} {key}: failed to run: {type(exc).__name__}: {str(exc)[:120]}")
             continue
-        seen_q[qt] = seen_q.get(qt, 0) + 1
-        picked.append((qt, kt))
-        if len(picked) >= top:
-            break
-    return picked
+        err = (out.float() - oracle).abs().max().item()
+        if not err <= tol:
+            log(f"{name} {key}: WRONG, max abs error {err:.3e} > {tol:.3e}")
+            times[key] = float("inf")
+            continue
+        times[key] = timer(lambda: launch.na3d_forward(q, k, v, ks, HD ** -0.5, out=out, config=cfg),
+                           min_runs=10, target_ms=100)
+        log(f"{name} {key}: {times[key]:.4f} ms (err {err:.2e}, first call {time.perf_counter() - t0:.1f}s)")
+    return times
+
+
+def config_key(cfg: configs.ForwardConfig) -> str:
+    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m na3d.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*")
-    parser.add_argument("--top", type=int, default=5, help="tile pairs per shape")
+    parser.add_argument("--top", type=int, default=4, help="tile pairs per shape")
     parser.add_argument("--launch", nargs="*", default=["4,2", "4,3", "8,2"],
-                        help="num_warps,num_stages settings to try")
+                        help="num_warps,num_stages settings to try (8 warps only on 128-query boxes)")
     parser.add_argument("--write", action="store_true", help="rewrite the arch's JSON table")
     parser.add_argument("--log", default=None, help="also write every measurement to this JSON file")
     args = parser.parse_args(argv)
@@ -71,46 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     arch = configs.device_arch(torch.cuda.current_device())
     specs = [s for s in bench_shapes() if not args.shapes or s["name"] in args.shapes]
     launches = [tuple(int(x) for x in s.split(",")) for s in args.launch]
-    timer = Timer(device)
-    results: Dict[str, Dict[str, float]] = {}
-    for spec in specs:
-        name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
-        B, T, H, W, NH, HD = shape
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=device) for _ in range(3))
-        oracle = na3d_sdpa_exact(q.float(), k.float(), v.float(), ks)
-        ref_err = (na3d_sdpa_exact(q, k, v, ks).float() - oracle).abs().max().item()
-        tol = 2 * ref_err + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, oracle.abs().max().item())
-        results[name] = {}
-        for qt, kt in tile_candidates((T, H, W), ks, args.top):
-            for warps, stages in launches:
-                cfg = configs.ForwardConfig(qt, kt, warps, stages, "candidate")
-                key = json.dumps([list(qt), list(kt), warps, stages])
-                out = torch.full_like(q, float("nan"))
-                t0 = time.perf_counter()
-                try:
-                    launch.na3d_forward(q, k, v, ks, HD ** -0.5, out=out, config=cfg)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # e.g. out of shared memory for this tile
-                    log(f"{name} {key}: failed to run: {type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                err = (out.float() - oracle).abs().max().item()
-                if not err <= tol:
-                    log(f"{name} {key}: WRONG, max abs error {err:.3e} > {tol:.3e}")
-                    results[name][key] = float("inf")
-                    continue
-                ms = timer(lambda: launch.na3d_forward(q, k, v, ks, HD ** -0.5, out=out, config=cfg),
-                           min_runs=10, target_ms=150)
-                results[name][key] = ms
-                log(f"{name} {key}: {ms:.4f} ms (err {err:.2e}, first call {time.perf_counter() - t0:.1f}s)")
-        del q, k, v, oracle
-        torch.cuda.empty_cache()
-    if args.log:
-        with open(args.log, "w") as f:
-            json.dump({"arch": arch, "results": results}, f, indent=1)
-
     table = configs.load_table(arch)
-    buckets = table["forward"]
+    buckets = [dict(entry) for entry in table["forward"]]
 
     def bucket_of(spec):
         for i, entry in enumerate(buckets):
@@ -118,32 +125,48 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return i
         return None
 
-    new_buckets = []
+    timer = Timer(device)
+    results: Dict[str, Dict[str, float]] = {}
     for i, entry in enumerate(buckets):
-        entry = dict(entry)
-        members = [s["name"] for s in specs if bucket_of(s) == i and results.get(s["name"])]
-        keys = set.intersection(*(set(results[m]) for m in members)) if members else set()
-        if keys:
-            best = {m: min(results[m].values()) for m in members}
+        members = [s for s in specs if bucket_of(s) == i]
+        if not members:
+            continue
+        # Every member is measured with every candidate of the bucket, so the
+        # choice compares like with like.
+        tiles = {(tuple(entry["q_tile"]), tuple(entry["kv_tile"]))}
+        for s in members:
+            tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
+        candidates = [configs.ForwardConfig(qt, kt, w, st, "candidate")
+                      for qt, kt in sorted(tiles) for w, st in launches
+                      if w == 4 or math.prod(qt) == 128]
+        log(f"bucket {entry['bucket']}: {len(candidates)} candidates on {[s['name'] for s in members]}")
+        for s in members:
+            results[s["name"]] = measure(s, candidates, timer, device)
+            torch.cuda.empty_cache()
+        names = [s["name"] for s in members]
+        keys = set.intersection(*(set(results[m]) for m in names))
+        best = {m: min(results[m].values()) for m in names}
 
-            def slowdown(key):
-                return math.exp(sum(math.log(results[m][key] / best[m]) for m in members) / len(members))
+        def slowdown(key):
+            return math.exp(sum(math.log(results[m][key] / best[m]) for m in names) / len(names))
 
-            choice = min(keys, key=slowdown)
-            qt, kt, warps, stages = json.loads(choice)
-            entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages)
-            entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)}
-                                 for m in members}
-            log(f"bucket {entry['bucket']}: {choice} (geomean slowdown {slowdown(choice):.3f}) over {members}")
-        new_buckets.append(entry)
-    table = dict(table, forward=new_buckets)
+        choice = min(keys, key=slowdown)
+        qt, kt, warps, stages = json.loads(choice)
+        entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages)
+        entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
+        log(f"bucket {entry['bucket']}: {choice} (geomean slowdown {slowdown(choice):.3f})")
+    if args.log:
+        with open(args.log, "w") as f:
+            json.dump({"arch": arch, "results": results}, f, indent=1)
+    table = dict(table, forward=buckets)
     text = json.dumps(table, indent=1)
-    log(text)
     if args.write:
         path = os.path.join(os.path.dirname(__file__), "configs", f"{arch}.json")
         with open(path, "w") as f:
             f.write(text + "\n")
         log(f"wrote {path}")
+    else:
+        log(text)
     return 0
 
 
