@@ -123,7 +123,7 @@ def na3d(
     ``query``, ``key``, ``value``: ``(B, T, H, W, NH, HD)``, any strides with innermost
     stride 1. Each query attends to the ``KT x KH x KW`` keys of its window, shifted
     inward at the borders (``natten.na3d``'s definition). ``scale=None`` means
-    ``HD ** -0.5`` (a given scale must be positive). Returns the output (query's shape and dtype) and, with
+    ``HD ** -0.5``. Returns the output (query's shape and dtype) and, with
     ``return_lse=True``, also the natural-log logsumexp ``(B, T, H, W, NH)`` float32.
 
     Not yet supported (raise ``NotImplementedError``): ``stride != 1``,
@@ -141,8 +141,7 @@ def na3d(
         scale = query.shape[-1] ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise TypeError(f"scale={scale!r} must be a finite float or None")
-    elif scale <= 0:
-        raise ValueError(f"scale={scale!r} must be positive (the kernels fold it into exp2)")
+
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
     return _run(query, key, value, ks, float(scale), return_lse)

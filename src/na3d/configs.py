@@ -41,9 +41,6 @@ class ForwardConfig:
                 raise ValueError(f"{name}={tile} must be three powers of two")
             if math.prod(tile) < 16:
                 raise ValueError(f"{name}={tile} must hold at least 16 positions (tl.dot minimum)")
-        if math.prod(self.kv_tile) > 64 or self.kv_tile[2] > 32:
-            raise ValueError(f"kv_tile={self.kv_tile} must hold at most 64 keys, at most 32 along W "
-                             "(one visibility bit per key in a 64-bit word)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,12 +81,12 @@ def _matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch
     return True
 
 
-def _fit(tile: Sequence[int], extents: Sequence[int], max_w: int = 1 << 30) -> Triple:
+def _fit(tile: Sequence[int], extents: Sequence[int]) -> Triple:
     """Move factors of two from tile dimensions far larger than their extent to others."""
     tile = list(tile)
     for _ in range(32):
         over = [d for d in range(3) if tile[d] > 1 and tile[d] >= 2 * extents[d]]
-        room = [d for d in range(3) if tile[d] < extents[d] and (d < 2 or tile[d] < max_w)]
+        room = [d for d in range(3) if tile[d] < extents[d]]
         if not over or not room:
             break
         src = over[0]
@@ -99,14 +96,19 @@ def _fit(tile: Sequence[int], extents: Sequence[int], max_w: int = 1 << 30) -> T
     return tuple(tile)
 
 
+@functools.lru_cache(maxsize=1024)
 def forward_config(
     arch: str,
-    shape: Sequence[int],
-    kernel_size: Sequence[int],
+    shape: Triple,
+    kernel_size: Triple,
     head_dim: int,
     dtype: torch.dtype,
 ) -> ForwardConfig:
-    """Launch configuration for the forward kernel on ``shape = (T, H, W)``."""
+    """Launch configuration for the forward kernel on ``shape = (T, H, W)``.
+
+    Memoized: the choice depends only on these hashable arguments, and a call of the
+    library should not pay for the table lookup again.
+    """
     table = load_table(arch)
     for entry in table["forward"]:
         if _matches(entry.get("when", {}), head_dim, kernel_size, dtype):
@@ -116,7 +118,7 @@ def forward_config(
                          f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
     q_tile = _fit(entry["q_tile"], shape)
     unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
-    kv_tile = _fit(entry["kv_tile"], unions, max_w=32)
+    kv_tile = _fit(entry["kv_tile"], unions)
     return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"])
 
 

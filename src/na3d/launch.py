@@ -35,7 +35,7 @@ def _arch(device: torch.device) -> str:
 
 def forward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.ForwardConfig:
     _, T, H, W, _, HD = q.shape
-    return configs.forward_config(_arch(q.device), (T, H, W), kernel_size, HD, q.dtype)
+    return configs.forward_config(_arch(q.device), (T, H, W), tuple(kernel_size), HD, q.dtype)
 
 
 def na3d_forward(

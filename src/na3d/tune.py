@@ -35,11 +35,11 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     T, H, W = shape
     q_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (64, 128)
                and all(x <= max(1, 2 * L) for x, L in zip(t, shape))]
-    kv_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64) and t[2] <= 32]
+    kv_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64, 128)]
     scored = []
     for qt in q_tiles:
         for kt in kv_tiles:
-            fitted = configs._fit(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)], max_w=32)
+            fitted = configs._fit(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)])
             if fitted != kt:
                 continue
             scored.append((geometry.issued_flops_ratio(shape, kernel, qt, kt), math.prod(qt), qt, kt))
@@ -58,7 +58,7 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
 
     # The fewest issued products overall, and the best of the two other families the
     # model cannot rank against them: 128-query boxes (half the K/V traffic per query)
-    # and 32-key boxes (cheaper 32-bit visibility words).
+    # and 32-key boxes (less padding at the union's edges).
     picked = best(top, lambda qt, kt: True)
     picked += best(2, lambda qt, kt: math.prod(qt) == 128)
     picked += best(2, lambda qt, kt: math.prod(kt) == 32)

@@ -6,36 +6,6 @@ import triton.language as tl
 from .common import window_start
 
 
-@triton.jit
-def _range_bits(lo, hi, SIZE: tl.constexpr, WORD: tl.constexpr):
-    """Word with bits [lo, hi) set, both first clamped to [0, SIZE] (SIZE <= 32)."""
-    lo = tl.minimum(tl.maximum(lo, 0), SIZE)
-    n = tl.maximum(tl.minimum(tl.maximum(hi, 0), SIZE) - lo, 0)
-    one = tl.full(lo.shape, 1, tl.int64)
-    # Built in 64 bits so that a full 32-bit run does not overflow, then truncated.
-    return (((one << n.to(tl.int64)) - 1) << lo.to(tl.int64)).to(WORD)
-
-
-@triton.jit
-def _visible_bits(rel_t, KT, rel_h, KH, rel_w, KW,
-                  KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr, WORD: tl.constexpr):
-    """Per query: bit (ct * KV_H + ch) * KV_W + cw is set iff the query sees key
-    (ct, ch, cw) of a key box. ``rel_*`` = window start minus the box origin.
-
-    The W range is one run of bits; replicating it into every visible (t, h) row of
-    the box is a multiplication by a word with one bit per visible row, because
-    the copies land in disjoint fields (no carries).
-    """
-    w_run = _range_bits(rel_w, rel_w + KW, KV_W, WORD)
-    h_rows = tl.zeros(rel_h.shape, WORD)
-    for i in tl.static_range(KV_H):
-        h_rows |= tl.where((rel_h <= i) & (i < rel_h + KH), 1, 0).to(WORD) << (i * KV_W)
-    t_rows = tl.zeros(rel_t.shape, WORD)
-    for i in tl.static_range(KV_T):
-        t_rows |= tl.where((rel_t <= i) & (i < rel_t + KT), 1, 0).to(WORD) << (i * KV_H * KV_W)
-    return w_run * h_rows * t_rows
-
-
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_fwd_kernel(
     Q, K, V, O, LSE,
@@ -58,15 +28,12 @@ def na3d_fwd_kernel(
     of one (batch, head), against the union of their windows, scanned in
     KV_T x KV_H x KV_W boxes of keys with an online softmax (log2 domain, fp32).
 
-    ``qk_scale`` is the softmax scale times log2(e), positive. LSE, when stored, is the natural
+    ``qk_scale`` is the softmax scale times log2(e). LSE, when stored, is the natural
     log-sum-exp per query, float32, contiguous ``(B, T, H, W, NH)``.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(BLOCK_KV <= 64, "key boxes hold at most 64 keys (one visibility bit each)")
-    tl.static_assert(KV_W <= 32, "key boxes are at most 32 wide along W")
-    WORD: tl.constexpr = tl.int32 if BLOCK_KV <= 32 else tl.int64
 
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -112,42 +79,41 @@ def na3d_fwd_kernel(
     k_base = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kn
     v_base = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vn
 
-    # Key coordinates inside a key box, row-major; key c of a box is bit c of a word.
+    # Key coordinates inside a key box, row-major.
     c = tl.arange(0, BLOCK_KV)
     ct = c // (KV_H * KV_W)
     ch = (c // KV_W) % KV_H
     cw = c % KV_W
-    column_bit = tl.full([BLOCK_KV], 1, WORD) << c.to(WORD)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for step in range(n_steps):
-        kt0 = ut0 + (step // (steps_h * steps_w)) * KV_T
-        kh0 = uh0 + ((step // steps_w) % steps_h) * KV_H
-        kw0 = uw0 + (step % steps_w) * KV_W
+        kt = ut0 + (step // (steps_h * steps_w)) * KV_T + ct
+        kh = uh0 + ((step // steps_w) % steps_h) * KV_H + ch
+        kw = uw0 + (step % steps_w) * KV_W + cw
         # The last step along a dimension may run past the union: those keys load a
-        # repeat of the union's last position; no query sees them (their bits are 0).
-        kt = tl.minimum(kt0 + ct, ut1 - 1)
-        kh = tl.minimum(kh0 + ch, uh1 - 1)
-        kw = tl.minimum(kw0 + cw, uw1 - 1)
-        k_rows = kt.to(tl.int64) * stride_kt + kh.to(tl.int64) * stride_kh + kw.to(tl.int64) * stride_kw
+        # repeat of the union's last position and are masked below (they lie outside
+        # every window of the box).
+        k_rows = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_kt
+                  + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_kh
+                  + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_kw)
         k = tl.load(k_base + k_rows[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        # Which keys of this box each query sees, as one word per query: the product
-        # of its three 1-D window ranges inside the box (see _visible_bits).
-        bits = _visible_bits(st - kt0, KT, sh - kh0, KH, sw - kw0, KW, KV_T, KV_H, KV_W, WORD)
-        s = tl.where((bits[:, None] & column_bit[None, :]) != 0, s, float("-inf"))
-        # qk_scale > 0 (checked by the API), so max(s) * scale = max(s * scale) and
-        # the scale folds into one FMA per element below.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        visible = ((kt[None, :] >= st[:, None]) & (kt[None, :] < st[:, None] + KT)
+                   & (kh[None, :] >= sh[:, None]) & (kh[None, :] < sh[:, None] + KH)
+                   & (kw[None, :] >= sw[:, None]) & (kw[None, :] < sw[:, None] + KW))
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes
         # its exponentials exactly 0 rather than NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_sub)
-        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
+        p = tl.math.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = kt.to(tl.int64) * stride_vt + kh.to(tl.int64) * stride_vh + kw.to(tl.int64) * stride_vw
+        v_rows = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_vt
+                  + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_vh
+                  + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_vw)
         v = tl.load(v_base + v_rows[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
