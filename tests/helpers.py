@@ -71,3 +71,64 @@ def default_scale(q):
 
 def numel(shape):
     return math.prod(shape)
+
+
+def grads_of(fn, q, k, v, grad_out):
+    """(dq, dk, dv) of ``sum(fn(q, k, v) * grad_out)``, on fresh leaf copies."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return [t.grad for t in leaves]
+
+
+def flash_style_grads(q, k, v, grad_out, kernel_size, scale):
+    """dq, dk, dv by the flash-attention backward formulas, in PyTorch at q's dtype.
+
+    Matrix products take q's dtype (as the kernels' tensor-core inputs do), softmax
+    statistics float32: ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``,
+    ``dS = P (dO V^T - delta)``. This is "the same math" whose error against the
+    float64 oracle sets the kernels' tolerance.
+    """
+    B, T, H, W, NH, HD = q.shape
+    n, dt = T * H * W, q.dtype
+    mask = na3d.geometry.neighborhood_mask((T, H, W), kernel_size, device=q.device)
+
+    def hf(x):
+        return x.reshape(B, n, NH, x.shape[-1]).transpose(1, 2)
+
+    qf, kf, vf, dof = hf(q), hf(k), hf(v), hf(grad_out)
+    s = (qf @ kf.transpose(-1, -2)).float() * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+    o = p.to(dt) @ vf
+    delta = (dof.float() * o.float()).sum(-1, keepdim=True)
+    ds = p * ((dof @ vf.transpose(-1, -2)).float() - delta)
+    dq = (ds.to(dt) @ kf).float() * scale
+    dk = (ds.to(dt).transpose(-1, -2) @ qf).float() * scale
+    dv = p.to(dt).transpose(-1, -2) @ dof
+
+    def back(x):
+        return x.transpose(1, 2).reshape(B, T, H, W, NH, x.shape[-1]).to(dt)
+
+    return back(dq), back(dk), back(dv)
+
+
+def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale):
+    """Kernel gradients against float64 autograd through the brute force.
+
+    Tolerance per tensor: twice the error of the same math (``flash_style_grads`` at
+    q's dtype), plus a rounding band.
+    """
+    oracle = grads_of(lambda a, b, c: na3d.na3d_brute_force(a, b, c, kernel_size, scale=scale),
+                      q.double(), k.double(), v.double(), grad_out.double())
+    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale)
+    errors = {}
+    for name, g, want, pt in zip(("dq", "dk", "dv"), grads, oracle, same):
+        assert g.shape == want.shape and g.dtype == q.dtype, name
+        assert not torch.isnan(g).any(), f"{name} has NaNs"
+        err = (g.double() - want).abs().max().item()
+        tol = 2 * (pt.double() - want).abs().max().item() + 2 * torch.finfo(q.dtype).eps * max(
+            1.0, want.abs().max().item())
+        assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"
+        errors[name] = err
+    return errors

@@ -62,6 +62,16 @@ def test_union_of_windows_is_the_union():
                 assert keys.tolist() == list(range(start, stop))
 
 
+def test_queries_seeing_is_the_dual_of_the_windows():
+    for length, kernel in [(9, 3), (9, 9), (13, 5), (6, 1), (20, 7), (5, 4), (8, 2)]:
+        m = geometry.mask_1d(length, kernel)
+        for a in range(length):
+            for b in range(a, length):
+                seers = m[:, a:b + 1].any(1).nonzero().flatten().tolist()
+                first, stop = geometry.queries_seeing(a, b, length, kernel)
+                assert seers == list(range(first, stop)), (length, kernel, a, b)
+
+
 def test_neighborhood_mask_is_product_of_axes():
     shape, kernel = (3, 4, 5), (3, 3, 5)
     m = geometry.neighborhood_mask(shape, kernel)
@@ -93,12 +103,19 @@ try:
     import triton
     import triton.language as tl
 
+    from na3d.kernels.common import queries_seeing as device_queries_seeing
     from na3d.kernels.common import window_start as device_window_start
 
     @triton.jit
     def _window_start_probe(Out, L, K, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         tl.store(Out + i, device_window_start(i, L, K), mask=i < L)
+
+    @triton.jit
+    def _queries_seeing_probe(Out, a, b, L, K):
+        first, stop = device_queries_seeing(a, b, L, K)
+        tl.store(Out, first)
+        tl.store(Out + 1, stop)
 except ImportError:  # pragma: no cover - Triton is a test dependency
     triton = None
 
@@ -117,3 +134,9 @@ def test_device_window_start_matches_geometry():
         _window_start_probe[(1,)](out, length, kernel, BLOCK=64)
         want = [geometry.window_start(i, length, kernel) for i in range(length)]
         assert out[:length].tolist() == want
+    for length, kernel in [(7, 3), (13, 5), (16, 1), (9, 9)]:
+        for a in range(0, length, 2):
+            for b in range(a, length, 3):
+                out = torch.zeros(2, dtype=torch.int32, device=device)
+                _queries_seeing_probe[(1,)](out, a, b, length, kernel)
+                assert tuple(out.tolist()) == geometry.queries_seeing(a, b, length, kernel)

@@ -118,7 +118,6 @@ def test_not_yet_supported_features_say_so(qkv, kwargs):
 
 
 def test_grad_is_never_dropped(qkv, monkeypatch):
-    """Until the kernels have a backward: the CPU reference differentiates, the GPU refuses."""
     q, k, v = qkv
     monkeypatch.undo()
     out = call(q.clone().requires_grad_(), k, v)

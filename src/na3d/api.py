@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import launch, reference
+from . import launch, ops, reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -92,15 +92,9 @@ def _run(query, key, value, kernel_size, scale: float, return_lse: bool):
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         return (out, lse) if return_lse else out
-    use_kernels = query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted())
-    if use_kernels and needs_grad:
-        if query.device.type == "cuda":
-            raise NotImplementedError(
-                "na3d has no backward kernel yet: call it under torch.no_grad() or on tensors "
-                "that do not require grad (gradients would otherwise be silently lost)")
-        use_kernels = False  # the CPU reference differentiates through autograd
-    if use_kernels:
-        out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse)
+    if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
+        # The log-sum-exp is saved for the backward only when a gradient can flow.
+        out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad)
         return (out, lse) if return_lse else out
     if return_lse:
         raise NotImplementedError("return_lse=True is not available on the CPU reference path yet")
@@ -126,8 +120,11 @@ def na3d(
     ``HD ** -0.5``. Returns the output (query's shape and dtype) and, with
     ``return_lse=True``, also the natural-log logsumexp ``(B, T, H, W, NH)`` float32.
 
+    Differentiable (Triton backward kernels; the CPU reference through autograd),
+    and a ``torch.library`` op, so ``torch.compile`` and CUDA graphs take it.
+
     Not yet supported (raise ``NotImplementedError``): ``stride != 1``,
-    ``dilation != 1``, ``is_causal`` true along any axis, and gradients.
+    ``dilation != 1``, ``is_causal`` true along any axis.
     """
     _check_tensors(query, key, value)
     ks = _check_kernel_size(kernel_size, query.shape[1:4])

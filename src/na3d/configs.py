@@ -43,6 +43,28 @@ class ForwardConfig:
                 raise ValueError(f"{name}={tile} must hold at least 16 positions (tl.dot minimum)")
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the two backward kernels.
+
+    dQ scans key boxes (``dq_kv_tile``) for a box of queries (``dq_q_tile``); dK/dV
+    scans query boxes (``dkdv_q_tile``) for a box of keys (``dkdv_k_tile``).
+    """
+    dq_q_tile: Triple
+    dq_kv_tile: Triple
+    dkdv_k_tile: Triple
+    dkdv_q_tile: Triple
+    num_warps: int
+    num_stages: int
+    bucket: str = "explicit"
+
+    def __post_init__(self):
+        for name in ("dq_q_tile", "dq_kv_tile", "dkdv_k_tile", "dkdv_q_tile"):
+            tile = getattr(self, name)
+            if len(tile) != 3 or any(x < 1 or x & (x - 1) for x in tile) or math.prod(tile) < 16:
+                raise ValueError(f"{name}={tile} must be three powers of two holding at least 16 positions")
+
+
 @functools.lru_cache(maxsize=None)
 def device_arch(device_index: int) -> str:
     """``sm90`` for a CUDA device of capability 9.0, ``gfx942`` for an MI300X, ..."""
@@ -122,5 +144,30 @@ def forward_config(
     return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"])
 
 
-def table_buckets(arch: str) -> List[dict]:
-    return list(load_table(arch)["forward"])
+@functools.lru_cache(maxsize=1024)
+def backward_config(
+    arch: str,
+    shape: Triple,
+    kernel_size: Triple,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> BackwardConfig:
+    """Launch configuration for the backward kernels on ``shape = (T, H, W)``.
+
+    A bucket's optional ``backward`` entry gives the tiles; without one, dQ reuses
+    the forward's tiles and dK/dV their transpose (key boxes the shape of the
+    forward's query boxes, scanning query boxes the shape of its key boxes), with
+    fewer pipeline stages since each step loads two tiles (Q and dO) per operand.
+    """
+    fwd = forward_config(arch, shape, kernel_size, head_dim, dtype)
+    table = load_table(arch)
+    entry = next(e for e in table["forward"] if e["bucket"] == fwd.bucket) if fwd.bucket != "explicit" else {}
+    bwd = entry.get("backward")
+    if bwd is None:
+        return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
+                              max(1, fwd.num_stages - 1), fwd.bucket)
+    dq_q = _fit(bwd["dq"][0], shape)
+    dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
+    k_box = _fit(bwd["dkdv"][0], shape)
+    q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
+    return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], fwd.bucket)

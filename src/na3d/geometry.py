@@ -82,6 +82,23 @@ def union_of_windows(first: int, last: int, length: int, kernel_size: int) -> Tu
             window_start(last, length, kernel_size) + kernel_size)
 
 
+def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int) -> Tuple[int, int]:
+    """``[first, stop)``: the queries whose windows contain a key of ``first_key..last_key``.
+
+    The dual of :func:`union_of_windows`, used by the backward pass for dK/dV: query
+    ``i`` sees some key of the run iff ``first_key - K + 1 <= s(i) <= last_key``, and
+    ``s`` never decreases, so those queries are contiguous. With ``h = K // 2`` and
+    ``s(i) = clamp(i - h, 0, L - K)``: the first is 0 if ``first_key < K`` and
+    ``first_key - K + 1 + h`` otherwise; the last is ``L - 1`` if
+    ``last_key >= L - K`` and ``last_key + h`` otherwise.
+    """
+    half = kernel_size // 2
+    lowest_start = first_key - kernel_size + 1
+    first = 0 if lowest_start <= 0 else lowest_start + half
+    stop = length if last_key >= length - kernel_size else last_key + half + 1
+    return first, stop
+
+
 def mask_1d(
     length: int,
     kernel_size: int,

@@ -81,5 +81,71 @@ def na3d_forward(
     return out, lse
 
 
+def backward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.BackwardConfig:
+    _, T, H, W, _, HD = q.shape
+    return configs.backward_config(_arch(q.device), (T, H, W), tuple(kernel_size), HD, q.dtype)
+
+
+def na3d_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kernel_size: Sequence[int],
+    scale: float,
+    grad_lse: Optional[torch.Tensor] = None,
+    grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    config: Optional[configs.BackwardConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv from the forward's ``out`` and natural-log ``lse`` (float32, contiguous).
+
+    ``grad_lse`` (optional, ``lse``'s shape) is the gradient flowing into the
+    log-sum-exp when the forward returned it. ``grads`` (optional) receives the
+    results (the tests pass NaN-filled buffers). Two launches: dQ (which also writes
+    ``delta = rowsum(dO * O) - dlse``), then dK/dV.
+    """
+    from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
+
+    B, T, H, W, NH, HD = q.shape
+    KT, KH, KW = kernel_size
+    cfg = config or backward_config(q, kernel_size)
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = grads
+    if grad_out.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
+        grad_out = grad_out.contiguous()
+    if lse.shape != q.shape[:-1] or (grad_lse is not None and grad_lse.shape != lse.shape):
+        raise ValueError(f"lse must have shape {tuple(q.shape[:-1])} (and grad_lse the same); got "
+                         f"lse {tuple(lse.shape)}, grad_lse {None if grad_lse is None else tuple(grad_lse.shape)}")
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
+    common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
+    na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
+        q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, delta, dq,
+        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
+        *dq.stride()[:5],
+        T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
+        Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
+        KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
+        HAS_DLSE=grad_lse is not None, **common)
+
+    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
+    na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
+        q, k, v, grad_out, lse, delta, dk, dv,
+        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
+        *dk.stride()[:5], *dv.stride()[:5],
+        T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
+        K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
+        Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2], **common)
+    return dq, dk, dv
+
+
 def triton_next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()

@@ -1,0 +1,241 @@
+"""Backward kernels: dQ over query boxes, dK/dV over key boxes, no atomics.
+
+Both recompute the attention probabilities from the forward's log-sum-exp:
+``P = exp(scale * Q K^T - lse)`` on visible pairs, ``dP = dO V^T``,
+``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``. Then
+``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = P^T dO``.
+
+Determinism: every output element is written by exactly one program, which sums
+its contributions in a fixed order.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import queries_seeing, window_start
+
+LOG2_E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+def na3d_bwd_dq_kernel(
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
+    T, H, W,
+    KT, KH, KW,
+    tiles_h, tiles_w,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
+    queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
+    It also writes ``delta`` (rowsum(dO * O) - dlse, float32, contiguous
+    ``(B, T, H, W, NH)``) for the dK/dV kernel that runs next.
+    """
+    BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
+    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
+    tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    heads = tl.num_programs(1)
+    t0 = (tile // (tiles_w * tiles_h)) * Q_T
+    h0 = ((tile // tiles_w) % tiles_h) * Q_H
+    w0 = (tile % tiles_w) * Q_W
+
+    # Rows past the grid's end repeat the last position and are not stored (as in
+    # the forward kernel).
+    r = tl.arange(0, BLOCK_Q)
+    qt = t0 + r // (Q_H * Q_W)
+    qh = h0 + (r // Q_W) % Q_H
+    qw = w0 + r % Q_W
+    q_valid = (qt < T) & (qh < H) & (qw < W)
+    qt = tl.minimum(qt, T - 1)
+    qh = tl.minimum(qh, H - 1)
+    qw = tl.minimum(qw, W - 1)
+    st = window_start(qt, T, KT)
+    sh = window_start(qh, H, KH)
+    sw = window_start(qw, W, KW)
+    ut0 = window_start(t0, T, KT)
+    uh0 = window_start(h0, H, KH)
+    uw0 = window_start(w0, W, KW)
+    ut1 = window_start(tl.minimum(t0 + Q_T, T) - 1, T, KT) + KT
+    uh1 = window_start(tl.minimum(h0 + Q_H, H) - 1, H, KH) + KH
+    uw1 = window_start(tl.minimum(w0 + Q_W, W) - 1, W, KW) + KW
+    steps_h = tl.cdiv(uh1 - uh0, KV_H)
+    steps_w = tl.cdiv(uw1 - uw0, KV_W)
+    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    bh = batch.to(tl.int64)
+    hd = head.to(tl.int64)
+    pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
+    q = tl.load(Q + bh * stride_qb + hd * stride_qn
+                + (pos_t * stride_qt + pos_h * stride_qh + pos_w * stride_qw)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+    do = tl.load(DO + bh * stride_dob + hd * stride_don
+                 + (pos_t * stride_dot + pos_h * stride_doh + pos_w * stride_dow)[:, None] + d[None, :],
+                 mask=d_ok[None, :], other=0.0)
+    o = tl.load(O + bh * stride_ob + hd * stride_on
+                + (pos_t * stride_ot + pos_h * stride_oh + pos_w * stride_ow)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+    rows = (((bh * T + pos_t) * H + pos_h) * W + pos_w) * heads + hd
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows)
+    tl.store(DELTA + rows, delta, mask=q_valid)
+    lse2 = tl.load(LSE + rows) * LOG2_E
+
+    k_base = K + bh * stride_kb + hd * stride_kn
+    v_base = V + bh * stride_vb + hd * stride_vn
+    c = tl.arange(0, BLOCK_KV)
+    ct = c // (KV_H * KV_W)
+    ch = (c // KV_W) % KV_H
+    cw = c % KV_W
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for step in range(n_steps):
+        kt = ut0 + (step // (steps_h * steps_w)) * KV_T + ct
+        kh = uh0 + ((step // steps_w) % steps_h) * KV_H + ch
+        kw = uw0 + (step % steps_w) * KV_W + cw
+        pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
+        ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
+        pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
+        k = tl.load(k_base + (pt * stride_kt + ph * stride_kh + pw * stride_kw)[:, None] + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        visible = ((kt[None, :] >= st[:, None]) & (kt[None, :] < st[:, None] + KT)
+                   & (kh[None, :] >= sh[:, None]) & (kh[None, :] < sh[:, None] + KH)
+                   & (kw[None, :] >= sw[:, None]) & (kw[None, :] < sw[:, None] + KW))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+    dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
+               + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+def na3d_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+    T, H, W,
+    KT, KH, KW,
+    tiles_h, tiles_w,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
+    of keys, scanning the queries that see any of them (one box of queries, see
+    ``queries_seeing``) in Q_T x Q_H x Q_W boxes.
+    """
+    BLOCK_N: tl.constexpr = K_T * K_H * K_W
+    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    heads = tl.num_programs(1)
+    t0 = (tile // (tiles_w * tiles_h)) * K_T
+    h0 = ((tile // tiles_w) % tiles_h) * K_H
+    w0 = (tile % tiles_w) * K_W
+
+    # Keys past the grid's end repeat the last position; their dK/dV rows are not
+    # stored, and no stored row depends on them.
+    c = tl.arange(0, BLOCK_N)
+    kt = t0 + c // (K_H * K_W)
+    kh = h0 + (c // K_W) % K_H
+    kw = w0 + c % K_W
+    k_valid = (kt < T) & (kh < H) & (kw < W)
+    kt = tl.minimum(kt, T - 1)
+    kh = tl.minimum(kh, H - 1)
+    kw = tl.minimum(kw, W - 1)
+    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT)
+    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH)
+    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW)
+    steps_h = tl.cdiv(qh1 - qh0, Q_H)
+    steps_w = tl.cdiv(qw1 - qw0, Q_W)
+    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    bh = batch.to(tl.int64)
+    hd = head.to(tl.int64)
+    pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
+    k = tl.load(K + bh * stride_kb + hd * stride_kn
+                + (pos_t * stride_kt + pos_h * stride_kh + pos_w * stride_kw)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+    v = tl.load(V + bh * stride_vb + hd * stride_vn
+                + (pos_t * stride_vt + pos_h * stride_vh + pos_w * stride_vw)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+
+    q_base = Q + bh * stride_qb + hd * stride_qn
+    do_base = DO + bh * stride_dob + hd * stride_don
+    r = tl.arange(0, BLOCK_M)
+    rt = r // (Q_H * Q_W)
+    rh = (r // Q_W) % Q_H
+    rw = r % Q_W
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for step in range(n_steps):
+        qt = qt0 + (step // (steps_h * steps_w)) * Q_T + rt
+        qh = qh0 + ((step // steps_w) % steps_h) * Q_H + rh
+        qw = qw0 + (step % steps_w) * Q_W + rw
+        # Queries past the range repeat its last one; they are masked out (a
+        # duplicate would count twice).
+        q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+        qt = tl.minimum(qt, qt1 - 1)
+        qh = tl.minimum(qh, qh1 - 1)
+        qw = tl.minimum(qw, qw1 - 1)
+        pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
+        q = tl.load(q_base + (pt * stride_qt + ph * stride_qh + pw * stride_qw)[:, None] + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        do = tl.load(do_base + (pt * stride_dot + ph * stride_doh + pw * stride_dow)[:, None] + d[None, :],
+                     mask=d_ok[None, :], other=0.0)
+        rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
+        lse2 = tl.load(LSE + rows) * LOG2_E
+        delta = tl.load(DELTA + rows)
+        st = window_start(qt, T, KT)
+        sh = window_start(qh, H, KH)
+        sw = window_start(qw, W, KW)
+        visible = (q_in[None, :]
+                   & (kt[:, None] >= st[None, :]) & (kt[:, None] < st[None, :] + KT)
+                   & (kh[:, None] >= sh[None, :]) & (kh[:, None] < sh[None, :] + KH)
+                   & (kw[:, None] >= sw[None, :]) & (kw[:, None] < sw[None, :] + KW))
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+
+    store = k_valid[:, None] & d_ok[None, :]
+    dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
+               + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
+    dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
+               + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=store)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)

@@ -1,0 +1,112 @@
+"""The Triton backward kernels (and the autograd op around them) against float64 autograd.
+
+Interpreter on a machine without a GPU (fp16 and fp32), compiled on a GPU.
+"""
+
+import pytest
+import torch
+
+import na3d
+from na3d import launch, ops
+from na3d.configs import BackwardConfig
+from helpers import LAYOUTS, assert_grads_match_oracle, grads_of, make_qkv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.kernels_interpreted(),
+    reason="no GPU and the Triton interpreter is not active")
+
+AWKWARD = [
+    ((1, 5, 6, 7, 2, 32), (3, 3, 5)),
+    ((2, 3, 5, 9, 1, 16), (3, 5, 9)),      # kernel = dimension, B > 1
+    ((1, 4, 4, 4, 2, 16), (1, 1, 1)),      # kernel 1
+    ((1, 2, 3, 21, 1, 16), (1, 3, 11)),
+    ((1, 1, 1, 19, 1, 48), (1, 1, 7)),     # head dim not a power of two
+]
+
+
+def kernel_grads(q, k, v, grad_out, kernel, scale, config=None, poison=True):
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True)
+    bufs = tuple(torch.full_like(t, float("nan")) for t in (q, k, v)) if poison else None
+    return launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=bufs, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", AWKWARD)
+def test_backward_awkward_shapes(shape, kernel, dtype):
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=sum(shape))
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    grads = kernel_grads(q, k, v, grad_out, kernel, 0.3)
+    assert_grads_match_oracle([g.cpu() for g in grads], q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel, 0.3)
+
+
+BWD_TILINGS = [
+    BackwardConfig((1, 2, 8), (1, 1, 16), (1, 2, 8), (1, 1, 16), 4, 1),
+    BackwardConfig((4, 4, 4), (2, 2, 4), (4, 4, 4), (2, 2, 4), 4, 1),   # boxes larger than T = 3
+    BackwardConfig((2, 8, 1), (1, 16, 1), (8, 2, 1), (1, 1, 16), 4, 1),
+    BackwardConfig((1, 1, 16), (4, 2, 2), (1, 16, 1), (4, 4, 1), 4, 1),
+]
+
+
+@pytest.mark.parametrize("config", BWD_TILINGS, ids=range(len(BWD_TILINGS)))
+def test_backward_tilings_cut_by_borders(config):
+    shape, kernel = (1, 3, 9, 7, 1, 16), (3, 5, 3)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=5)
+    grad_out = torch.randn(shape).to(DEVICE)
+    grads = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
+    assert_grads_match_oracle([g.cpu() for g in grads], q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel, 0.25)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_autograd_through_public_api_on_strided_views(layout):
+    shape, kernel = (2, 3, 4, 5, 2, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float32, layout, device=DEVICE, seed=3)
+    grad_out = torch.randn(shape).to(DEVICE)
+    grads = grads_of(lambda a, b, c: na3d.na3d(a, b, c, kernel), q, k, v, grad_out)
+    assert_grads_match_oracle([g.cpu() for g in grads], q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel,
+                              16 ** -0.5)
+
+
+def test_gradient_flows_into_a_fused_projection():
+    B, T, H, W, NH, HD = 1, 3, 4, 5, 2, 16
+    fused = torch.randn(B, T, H, W, 3 * NH * HD, device=DEVICE, requires_grad=True)
+    q, k, v = (x.unflatten(-1, (NH, HD)) for x in fused.split(NH * HD, dim=-1))
+    out = na3d.na3d_flash_attn(q, k, v, 3)
+    out.square().sum().backward()
+    ref = fused.detach().clone().requires_grad_()
+    q2, k2, v2 = (x.unflatten(-1, (NH, HD)) for x in ref.split(NH * HD, dim=-1))
+    na3d.na3d_brute_force(q2, k2, v2, (3, 3, 3), scale=1.0, compute_dtype=torch.float32).square().sum().backward()
+    torch.testing.assert_close(fused.grad, ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gradient_through_lse(dtype):
+    shape, kernel = (1, 3, 5, 6, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=4)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = na3d.na3d(*leaves, kernel, return_lse=True)
+    (out.float().sum() + (lse * lse).sum()).backward()
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o2, l2 = na3d.na3d_brute_force(*(r.cpu() for r in ref), kernel, return_lse=True)
+    (o2.sum() + (l2 * l2).sum()).backward()
+    tol = 3e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=0, atol=tol)
+
+
+def test_backward_is_deterministic():
+    shape, kernel = (1, 3, 5, 7, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float16, device=DEVICE, seed=1)
+    grad_out = torch.randn(shape, dtype=torch.float16).to(DEVICE)
+    a = kernel_grads(q, k, v, grad_out, kernel, 0.25)
+    b = kernel_grads(q, k, v, grad_out, kernel, 0.25)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_opcheck():
+    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=2)
+    for need_lse in (True, False):
+        torch.library.opcheck(ops.forward, (q.clone().requires_grad_(), k, v, [3, 3, 3], 0.25, need_lse))
+    out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True)
+    torch.library.opcheck(ops.backward, (torch.randn_like(out), q, k, v, out, lse, None, [3, 3, 3], 0.25))
