@@ -1,6 +1,7 @@
 """Benchmark: na3d against the exact grouped-SDPA reference and FlexAttention.
 
     python -m na3d.bench                 # forward, the six LTX-2.5 shapes, bf16
+    python -m na3d.bench --backward      # ... and the backward (dq, dk, dv from dO)
     python -m na3d.bench --shapes edge-wide ltx-stage1 --no-flex
 
 On a GPU, in one process: measures the two ceilings (device-to-device copy
@@ -178,16 +179,88 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     return row
 
 
+def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
+                 dtype=torch.bfloat16) -> dict:
+    """Time dq, dk, dv from a given dO (forward excluded) for every method on one shape.
+
+    Every method is timed the same way: ``torch.autograd.grad`` of its retained graph.
+    Floor: the backward does 2.5x the forward's matrix work (five products instead of
+    two) and moves 8 tensors (q, k, v, o, dO in; dq, dk, dv out) instead of 4.
+    """
+    name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
+    B, T, H, W, NH, HD = shape
+    scale = HD ** -0.5
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4))
+    flops, nbytes = 2.5 * useful_flops(shape, ks), 2 * min_bytes(shape, q.element_size())
+    floor_ms = max(flops / (ceilings["dense_attn_tflops"] * 1e12), nbytes / (ceilings["copy_tbs"] * 1e12)) * 1e3
+    cfg = launch.backward_config(q, ks)
+    row = {"name": name, "shape": list(shape), "kernel_size": list(ks), "dtype": str(dtype).split(".")[-1],
+           "pass": "bwd", "ms": {}, "floor_ms": round(floor_ms, 5),
+           "config": {"dq": [list(cfg.dq_q_tile), list(cfg.dq_kv_tile)],
+                      "dkdv": [list(cfg.dkdv_k_tile), list(cfg.dkdv_q_tile)],
+                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "bucket": cfg.bucket}}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def graph_of(fn):
+        out = fn(*leaves)
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    runners = {"na3d": lambda: graph_of(lambda a, b, c: na3d(a, b, c, ks, scale=scale))}
+    if "sdpa_exact" in methods:
+        runners["sdpa_exact"] = lambda: graph_of(lambda a, b, c: na3d_sdpa_exact(a, b, c, ks, scale=scale))
+    if "flex" in methods:
+        def flex_graph():
+            from torch.nn.attention.flex_attention import flex_attention
+
+            from .flex_baseline import from_flex_layout, neighborhood_block_mask, to_flex_layout
+            bm = neighborhood_block_mask((T, H, W), ks, 128, device=device)
+            flex_fn = torch.compile(flex_attention, dynamic=False)
+            return graph_of(lambda a, b, c: from_flex_layout(
+                flex_fn(*(to_flex_layout(x) for x in (a, b, c)), block_mask=bm, scale=scale), shape))
+        runners["flex"] = flex_graph
+    # Gradients of na3d against the float32 reference's, W chunk by W chunk.
+    log(f"  {name}: backward error vs float32 grouped-SDPA autograd")
+    grads = runners["na3d"]()()
+    row["max_abs_err"] = {n: 0.0 for n in ("dq", "dk", "dv")}
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    chunk = max(1, W // 8)
+    for w0 in range(0, W, chunk):
+        w1 = min(W, w0 + chunk)
+        out = na3d_sdpa_exact(ref[0][:, :, :, w0:w1], ref[1], ref[2], ks, scale=scale, w_offset=w0)
+        out.backward(do[:, :, :, w0:w1].float())
+    for n, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        row["max_abs_err"][n] = float((g.float() - r.grad).abs().max())
+    del grads, ref, out
+    torch.cuda.empty_cache()
+    for method in methods:
+        if method not in runners:
+            continue
+        log(f"  {name}: timing {method} backward")
+        try:
+            fn = runners[method]()
+            row["ms"][method] = round(timer(fn, min_runs=5 if method != "na3d" else 20,
+                                            target_ms=1000 if method != "na3d" else 300), 5)
+        except Exception as exc:  # e.g. out of memory in a baseline: report it
+            row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
+            log(f"  {name}: {method} backward failed: {row['errors'][method]}")
+        torch.cuda.empty_cache()
+    row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    return row
+
+
 def print_table(rows: List[dict]) -> None:
-    head = f"{'shape':<18}{'na3d ms':>10}{'x_floor':>9}{'TFLOP/s':>9}{'TB/s':>7}{'sdpa ms':>10}{'flex ms':>10}" \
+    head = f"{'shape':<18}{'pass':>5}{'na3d ms':>10}{'x_floor':>9}{'TFLOP/s':>9}{'TB/s':>7}{'sdpa ms':>10}{'flex ms':>10}" \
            f"{'floor ms':>10}{'issued':>8}{'max err':>10}"
     log(head)
     for r in rows:
         ms = r["ms"]
-        log(f"{r['name']:<18}{ms.get('na3d', float('nan')):>10.4f}{r['x_floor'].get('na3d', float('nan')):>9.2f}"
+        err = r.get("max_abs_err", float("nan"))
+        err = max(err.values()) if isinstance(err, dict) else err
+        log(f"{r['name']:<18}{r['pass']:>5}{ms.get('na3d', float('nan')):>10.4f}{r['x_floor'].get('na3d', float('nan')):>9.2f}"
             f"{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
             f"{ms.get('sdpa_exact', float('nan')):>10.3f}{ms.get('flex', float('nan')):>10.3f}"
-            f"{r['floor_ms']:>10.4f}{r['flops_issued_ratio']:>8.2f}{r.get('max_abs_err', float('nan')):>10.2e}")
+            f"{r['floor_ms']:>10.4f}{r.get('flops_issued_ratio', float('nan')):>8.2f}{err:>10.2e}")
 
 
 def plot(rows: List[dict], path: str, title: str) -> None:
@@ -241,6 +314,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--commit", default=None, help="git sha of the measured tree (default: git rev-parse)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--backward", action="store_true", help="also time the backward (bwd rows)")
+    parser.add_argument("--no-forward", action="store_true", help="skip the forward rows")
+
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -262,8 +338,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     for i, spec in enumerate(specs):
         log(f"[{i + 1}/{len(specs)}] {spec['name']} {spec['shape']} kernel {spec['kernel_size']}")
-        rows.append(forward_row(spec, timer, ceilings, device, methods))
-        torch.cuda.empty_cache()
+        if not args.no_forward:
+            rows.append(forward_row(spec, timer, ceilings, device, methods))
+            torch.cuda.empty_cache()
+        if args.backward:
+            rows.append(backward_row(spec, timer, ceilings, device, methods))
+            torch.cuda.empty_cache()
     print_table(rows)
     if args.no_write:
         return 0
@@ -277,7 +357,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     log(f"wrote {path}")
-    plot(rows, os.path.join(args.out_dir, f"{slug}.png"), f"na3d forward on {name} (bf16)")
+    plot(rows, os.path.join(args.out_dir, f"{slug}.png"), f"na3d on {name} (bf16; fwd and bwd rows)")
     return 0
 
 
