@@ -15,11 +15,15 @@ if [[ $steps == *" tune "* ]]; then
   echo "tune rc=$?"; grep -E "bucket|WRONG|failed" "$OUT/tune.log" | tail -20
   cp src/na3d/configs/sm90.json "$OUT/sm90.json"
 fi
-if [[ $steps == *" test "* ]]; then
-  echo "=== test"; timeout ${TEST_S:-240} python3 -m pytest -q --timeout 120 ${TEST_ARGS:-tests} > "$OUT/pytest.log" 2>&1
-  echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
-fi
 if [[ $steps == *" bench "* ]]; then
   echo "=== bench"; timeout ${BENCH_S:-300} python3 -m na3d.bench --commit "$COMMIT" --out-dir "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; tail -12 "$OUT/bench.log"
+  echo "bench rc=$?"; tail -14 "$OUT/bench.log"
+fi
+if [[ $steps == *" test "* ]]; then
+  echo "=== test"; timeout ${TEST_S:-240} python3 -m pytest -v --tb=short -rfE --timeout 120 ${TEST_ARGS:-tests} > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
+fi
+if [[ $steps == *" decoder "* ]]; then
+  echo "=== decoder"; timeout ${DECODER_S:-120} python3 -m na3d.bench_decoder ${DECODER_ARGS:-} > "$OUT/decoder.log" 2>&1
+  echo "decoder rc=$?"; tail -8 "$OUT/decoder.log"
 fi

@@ -74,7 +74,6 @@ def na3d_forward(
         Q_T=cfg.q_tile[0], Q_H=cfg.q_tile[1], Q_W=cfg.q_tile[2],
         KV_T=cfg.kv_tile[0], KV_H=cfg.kv_tile[1], KV_W=cfg.kv_tile[2],
         STORE_LSE=need_lse,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -123,8 +122,7 @@ def na3d_backward(
     delta = torch.empty_like(lse)
     grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](

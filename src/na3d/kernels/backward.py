@@ -12,9 +12,13 @@ its contributions in a fixed order.
 import triton
 import triton.language as tl
 
+# Every tl.dot says input_precision="ieee": float32 inputs then get true float32
+# products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
+# option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
+
 from .common import queries_seeing, window_start
 
-LOG2_E: tl.constexpr = 1.4426950408889634
+LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
@@ -35,7 +39,6 @@ def na3d_bwd_dq_kernel(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     HAS_DLSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
@@ -118,11 +121,11 @@ def na3d_bwd_dq_kernel(
         visible = ((kt[None, :] >= st[:, None]) & (kt[None, :] < st[:, None] + KT)
                    & (kh[None, :] >= sh[:, None]) & (kh[None, :] < sh[:, None] + KH)
                    & (kw[None, :] >= sw[:, None]) & (kw[None, :] < sw[:, None] + KW))
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
         p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
 
     dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
                + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
@@ -146,7 +149,6 @@ def na3d_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -225,12 +227,12 @@ def na3d_bwd_dkdv_kernel(
                    & (kt[:, None] >= st[None, :]) & (kt[:, None] < st[None, :] + KT)
                    & (kh[:, None] >= sh[None, :]) & (kh[:, None] < sh[None, :] + KH)
                    & (kw[:, None] >= sw[None, :]) & (kw[:, None] < sw[None, :] + KW))
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
 
     store = k_valid[:, None] & d_ok[None, :]
     dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
