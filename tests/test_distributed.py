@@ -15,7 +15,6 @@ re-raises here with the rank's traceback.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 
 import pytest
@@ -25,7 +24,7 @@ import torch.multiprocessing as mp
 
 import na3d
 from na3d import distributed as nadist
-from na3d import geometry
+from na3d import geometry, launch
 
 TOLERANCE = 1e-5
 LTX = nadist.LTX_STAGE5_SHAPE
@@ -46,7 +45,7 @@ def _worker(rank: int, world: int, port: int, backend: str, suite: str) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         SUITES[suite](rank, world)
         dist.barrier()
@@ -188,6 +187,8 @@ def check_halo_exchange(rank, shape, kernel_size, shard_dim, sizes, device="cpu"
 # ----------------------------------------------------------------------------------
 
 def suite_world2(rank, world):
+    # The grad=False cases below are meant to run the Triton kernel (interpreted).
+    assert torch.cuda.is_available() or launch.kernels_interpreted(), "TRITON_INTERPRET did not reach the workers"
     small = (1, 7, 4, 4, 2, 8)
     check_case(rank, small, (5, 3, 3), 1, (5, 2), count=True)                 # uneven, along T
     check_case(rank, small, (5, 3, 3), 1, (5, 2), overlap=True, count=True)   # overlap schedule
@@ -197,7 +198,9 @@ def suite_world2(rank, world):
     check_case(rank, (1, 4, 6, 4, 2, 8), (3, 5, 3), 2, (5, 1), head_parallel=True)
     # The Triton kernel (interpreted) through the halo, with the logsumexp too.
     check_case(rank, (1, 6, 4, 4, 1, 8), (5, 3, 3), 1, (2, 4), grad=False, return_lse=True)
-    check_case(rank, (1, 6, 4, 4, 2, 8), (5, 3, 3), 1, (4, 2), grad=False, head_parallel=True)
+    check_case(rank, (1, 6, 4, 4, 1, 8), (3, 3, 3), 1, (4, 2), grad=False, return_lse=True, overlap=True)
+    check_case(rank, (1, 6, 4, 4, 2, 8), (5, 3, 3), 1, (4, 2), grad=False, return_lse=True,
+               head_parallel=True)
     check_halo_exchange(rank, (1, 7, 3, 3, 1, 8), (5, 3, 3), 1, (1, 6))
     check_validation(rank, world)
 
@@ -208,6 +211,8 @@ def suite_world3(rank, world):
     check_case(rank, thin, (5, 3, 3), 1, (1, 1, 4), count=True)
     check_case(rank, thin, (5, 3, 3), 1, (1, 1, 4), overlap=True, pass_sizes=True)
     check_case(rank, (1, 3, 11, 3, 1, 8), (3, 7, 3), 2, (5, 2, 4), overlap=True, count=True)
+    # Rank 1 gets all three parts of the overlap schedule: interior, lower and upper strips.
+    check_case(rank, (1, 12, 3, 3, 1, 8), (3, 3, 3), 1, (3, 6, 3), overlap=True, count=True)
     check_case(rank, (1, 3, 4, 5, 1, 8), (3, 3, 5), 3, (1, 3, 1), count=True)
     check_case(rank, (1, 5, 4, 3, 3, 8), (3, 3, 3), 1, (1, 3, 1), head_parallel=True)
     check_halo_exchange(rank, (1, 4, 7, 2, 1, 8), (3, 5, 1), 2, (2, 4, 1))
@@ -247,6 +252,16 @@ def check_validation(rank, world):
     with pytest.raises(ValueError, match="heads"):
         odd = torch.randn(1, 3, 4, 4, 3, 8)
         nadist.head_parallel_na3d(odd, odd, odd, 3)
+    with pytest.raises(TypeError, match="window"):
+        nadist.sharded_na3d(q, q, q, 3, window=3)
+    with pytest.raises(TypeError, match="overlap"):
+        nadist.sharded_na3d(q, q, q, 3, overlap="yes")
+    with pytest.raises(NotImplementedError, match="is_causal"):
+        nadist.head_parallel_na3d(q, q, q, 3, is_causal=(True, False, False))
+    # A keyword argument wrong on rank 0 only: rank 1 hears of it too.
+    with pytest.raises(NotImplementedError if rank == 0 else ValueError,
+                       match="dilation" if rank == 0 else r"rank\(s\) \[0\]"):
+        nadist.sharded_na3d(q, q, q, 3, dilation=2 if rank == 0 else 1)
 
 
 SUITES = {"world2": suite_world2, "world3": suite_world3, "world4": suite_world4}
@@ -285,19 +300,12 @@ def test_nccl_two_gpus():
 # Single-process checks: arguments and the traffic accounting
 # ----------------------------------------------------------------------------------
 
-def test_bad_keyword_arguments_fail_before_any_communication():
+def test_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
     q = torch.randn(1, 3, 4, 4, 2, 8)
-    with pytest.raises(TypeError, match="window"):
-        nadist.sharded_na3d(q, q, q, 3, window=3)
-    with pytest.raises(NotImplementedError, match="dilation"):
-        nadist.sharded_na3d(q, q, q, 3, dilation=2)
-    with pytest.raises(NotImplementedError, match="is_causal"):
-        nadist.head_parallel_na3d(q, q, q, 3, is_causal=(True, False, False))
-    with pytest.raises(TypeError, match="overlap"):
-        nadist.sharded_na3d(q, q, q, 3, overlap="yes")
-    if not dist.is_initialized():
-        with pytest.raises(RuntimeError, match="init_process_group"):
-            nadist.sharded_na3d(q, q, q, 3)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        nadist.sharded_na3d(q, q, q, 3)
 
 
 def test_even_slab_sizes():

@@ -8,11 +8,13 @@ thick. Two ways to compute this rank's slab of exactly the single-device result:
 * :func:`sharded_na3d` (halo exchange): each rank receives, by point-to-point
   messages, the keys and values its queries need from the other ranks' slabs (the
   "halo", computed by :mod:`na3d.geometry`), then attends locally. Traffic per rank
-  depends on the kernel, not on the slab: about ``2 * (K - 1)`` positions of K and V.
+  depends on the kernel, not on the slab: K and V of ``K // 2`` positions to each
+  neighbor (more ranks are involved only when slabs are thinner than the halo).
 * :func:`head_parallel_na3d` (Ulysses-style): an all-to-all turns position slabs into
   head groups, so each rank holds the whole grid for ``NH / world`` heads, runs
   :func:`na3d.na3d` unchanged, and a second all-to-all brings the output back.
-  Traffic per rank is about four slabs (q, k, v out, the output in).
+  Traffic per rank is about ``4 * (world - 1) / world`` slabs (q, k, v, then the
+  output), whatever the kernel.
 
 ``docs/distributed.md`` compares the two; :func:`halo_plan` and
 :func:`head_parallel_bytes` compute the bytes behind that comparison, and
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -84,18 +86,25 @@ def _check_na3d_kwargs(na3d_kwargs: Mapping) -> None:
         if name in na3d_kwargs:
             value = na3d_kwargs[name]
             values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-            if any(type(x) is not type(neutral) or x != neutral for x in values):
+            if any(type(x) is not type(neutral) for x in values):
+                kind = type(neutral).__name__
+                raise TypeError(f"{name}={value!r} must be a {kind} or a tuple of 3 {kind}s")
+            if any(x != neutral for x in values):
                 raise NotImplementedError(f"{name}={value!r}: the distributed functions support only "
                                           f"{name}={neutral!r}")
 
 
-def _local_problem(tensors: Mapping[str, torch.Tensor], kernel_size, shard_dim) -> Optional[Exception]:
+def _local_problem(tensors: Mapping[str, torch.Tensor], kernel_size, shard_dim, na3d_kwargs: Mapping,
+                   overlap: bool = False) -> Optional[Exception]:
     """The first thing wrong with this rank's own arguments, or None.
 
     Returned rather than raised so that the rank can still join the metadata gather
     and tell the others (who would otherwise wait for it forever).
     """
     try:
+        _check_na3d_kwargs(na3d_kwargs)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap={overlap!r} must be a bool")
         _kernel_triple(kernel_size)
         if not isinstance(shard_dim, int) or isinstance(shard_dim, bool):
             raise TypeError(f"shard_dim={shard_dim!r} must be an int (1 = T, 2 = H, 3 = W)")
@@ -121,7 +130,7 @@ def _local_problem(tensors: Mapping[str, torch.Tensor], kernel_size, shard_dim) 
         if reference.shape[shard_dim] < 1:
             raise ValueError(f"{reference_name}.shape[{shard_dim}] = 0: every rank's slab along shard_dim "
                              "must be at least one position thick")
-    except (TypeError, ValueError) as problem:
+    except (TypeError, ValueError, NotImplementedError) as problem:
         return problem
     return None
 
@@ -191,10 +200,12 @@ def _slab_layout(
     shard_dim,
     group,
     slab_sizes: Optional[Sequence[int]],
+    na3d_kwargs: Optional[Mapping] = None,
+    overlap: bool = False,
 ) -> SlabLayout:
     """Validate the arguments on every rank and agree on the slab sizes."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problem = _local_problem(tensors, kernel_size, shard_dim)
+    problem = _local_problem(tensors, kernel_size, shard_dim, na3d_kwargs or {}, overlap)
     example = next(iter(tensors.values()))
     first_name = next(iter(tensors))
 
@@ -510,12 +521,9 @@ def sharded_na3d(
     offset the split costs nothing and overlap should become the default. Backward
     does not overlap: the halo gradients are exchanged after the local backward.
     """
-    _check_na3d_kwargs(na3d_kwargs)
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap={overlap!r} must be a bool")
     group = _resolve_group(group)
     layout = _slab_layout({"query": query, "key": key, "value": value}, kernel_size, shard_dim, group,
-                          slab_sizes)
+                          slab_sizes, na3d_kwargs, overlap)
     dim = layout.shard_dim
     a, b = layout.slab
     u0, _ = layout.key_range
@@ -619,10 +627,9 @@ def head_parallel_na3d(
     moves about four slabs per rank per pass whatever the kernel
     (:func:`head_parallel_bytes`), and each rank holds the full grid of its heads.
     """
-    _check_na3d_kwargs(na3d_kwargs)
     group = _resolve_group(group)
     layout = _slab_layout({"query": query, "key": key, "value": value}, kernel_size, shard_dim, group,
-                          slab_sizes)
+                          slab_sizes, na3d_kwargs)
     heads = layout.global_shape[4]
     if heads % layout.world_size:
         raise ValueError(f"query has {heads} heads (query.shape[4]), which the {layout.world_size} ranks "
@@ -722,6 +729,9 @@ def head_parallel_bytes(
     """
     sizes = _normalize_sizes(global_shape, slab_sizes, shard_dim)
     world = len(sizes)
+    if global_shape[4] % world:
+        raise ValueError(f"global_shape={tuple(global_shape)}: {global_shape[4]} heads do not split "
+                         f"evenly over {world} ranks")
     element = torch.empty((), dtype=dtype).element_size()
     length = global_shape[shard_dim]
     per_position_all_heads = math.prod(global_shape) // length * element
@@ -742,25 +752,25 @@ def traffic_table(
     shard_dims: Sequence[int] = (1, 2),
     dtype: torch.dtype = torch.bfloat16,
 ) -> str:
-    """Markdown table: halo vs all-to-all bytes per rank, forward pass (the doc's table)."""
+    """Markdown table: halo vs all-to-all bytes each rank sends in one forward (the doc's table)."""
     mib = float(1 << 20)
-    lines = ["| split | ranks | slabs | halo sent per rank, MiB (min-max) | halo recv max, MiB "
-             "| padded-query overhead (max) | all-to-all sent per rank, MiB (max) |",
+    lines = ["| split | ranks | slab sizes | halo sent per rank, MiB (rank 0, 1, ...) "
+             "| all-to-all sent per rank, MiB (max) | halo / all-to-all (max) "
+             "| padded-query overhead (max) |",
              "|---|---|---|---|---|---|---|"]
     for shard_dim in shard_dims:
         for world in world_sizes:
             plan = halo_plan(global_shape, kernel_size, world, shard_dim=shard_dim, dtype=dtype)
             sizes = plan.slab_sizes
-            slabs = f"{min(sizes)}-{max(sizes)}" if min(sizes) != max(sizes) else f"{sizes[0]}"
+            halo = ", ".join(f"{b / mib:.0f}" for b in plan.sent_bytes)
             if global_shape[4] % world == 0:
-                a2a = f"{max(head_parallel_bytes(global_shape, sizes, shard_dim=shard_dim, dtype=dtype)) / mib:.0f}"
+                a2a_max = max(head_parallel_bytes(global_shape, sizes, shard_dim=shard_dim, dtype=dtype))
+                a2a, ratio = f"{a2a_max / mib:.0f}", f"{max(plan.sent_bytes) / a2a_max:.2f}"
             else:
-                a2a = f"n/a ({global_shape[4]} heads)"
+                a2a, ratio = f"n/a ({global_shape[4]} heads)", "n/a"
             lines.append(
-                f"| {SHARDABLE_DIMS[shard_dim]} | {world} | {slabs} "
-                f"| {min(plan.sent_bytes) / mib:.0f}-{max(plan.sent_bytes) / mib:.0f} "
-                f"| {max(plan.received_bytes) / mib:.0f} "
-                f"| {max(plan.padded_query_overhead):.0%} | {a2a} |")
+                f"| {SHARDABLE_DIMS[shard_dim]} | {world} | {', '.join(map(str, sizes))} | {halo} | {a2a} "
+                f"| {ratio} | {max(plan.padded_query_overhead):.0%} |")
     return "\n".join(lines)
 
 
