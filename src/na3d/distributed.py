@@ -34,9 +34,9 @@ the others waiting in a collective. Passing ``slab_sizes`` skips that gather (an
 with it the cross-rank checks).
 
 Backends: NCCL with CUDA tensors (``torch.cuda.set_device`` called per rank), gloo
-with CPU tensors. On GPUs, na3d has no backward kernel yet, so on CUDA these
-functions are forward-only (``torch.no_grad()``) until it lands; the communication
-part of backward does not depend on it.
+with CPU tensors. Gradients flow through whatever :func:`na3d.na3d` differentiates
+with on that device (its backward kernels on GPUs); the communication half of the
+backward is the same everywhere.
 """
 
 from __future__ import annotations
