@@ -81,13 +81,13 @@ def grads_of(fn, q, k, v, grad_out):
     return [t.grad for t in leaves]
 
 
-def flash_style_grads(q, k, v, grad_out, kernel_size, scale):
+def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
     """dq, dk, dv by the flash-attention backward formulas, in PyTorch at q's dtype.
 
     Matrix products take q's dtype (as the kernels' tensor-core inputs do), softmax
     statistics float32: ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``,
-    ``dS = P (dO V^T - delta)``. This is "the same math" whose error against the
-    float64 oracle sets the kernels' tolerance.
+    ``dS = P (dO V^T - delta + dlse)``. This is "the same math" whose error against
+    the float64 oracle sets the kernels' tolerance.
     """
     B, T, H, W, NH, HD = q.shape
     n, dt = T * H * W, q.dtype
@@ -102,6 +102,8 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale):
     p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
     o = p.to(dt) @ vf
     delta = (dof.float() * o.float()).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.reshape(B, n, NH).transpose(1, 2).unsqueeze(-1).float()
     ds = p * ((dof @ vf.transpose(-1, -2)).float() - delta)
     dq = (ds.to(dt) @ kf).float() * scale
     dk = (ds.to(dt).transpose(-1, -2) @ qf).float() * scale
@@ -113,15 +115,28 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale):
     return back(dq), back(dk), back(dv)
 
 
-def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale):
+def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
+    """float64 autograd through the brute force, for ``sum(out * dO) + sum(lse * dlse)``."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = na3d.na3d_brute_force(*leaves, kernel_size, scale=scale, return_lse=True)
+    loss = (out * grad_out.double()).sum()
+    if grad_lse is not None:
+        loss = loss + (lse * grad_lse.double()).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad_lse=None):
     """Kernel gradients against float64 autograd through the brute force.
 
     Tolerance per tensor: twice the error of the same math (``flash_style_grads`` at
-    q's dtype), plus a rounding band.
+    q's dtype), plus a rounding band. Everything is compared on the CPU.
     """
-    oracle = grads_of(lambda a, b, c: na3d.na3d_brute_force(a, b, c, kernel_size, scale=scale),
-                      q.double(), k.double(), v.double(), grad_out.double())
-    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale)
+    grads = [g.cpu() for g in grads]
+    q, k, v, grad_out = (t.cpu() for t in (q, k, v, grad_out))
+    grad_lse = grad_lse.cpu() if grad_lse is not None else None
+    oracle = oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse)
+    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse)
     errors = {}
     for name, g, want, pt in zip(("dq", "dk", "dv"), grads, oracle, same):
         assert g.shape == want.shape and g.dtype == q.dtype, name
