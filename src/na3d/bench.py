@@ -153,6 +153,9 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
 
             from .flex_baseline import neighborhood_block_mask, to_flex_layout
             log(f"  {name}: flex block mask + compile")
+            # A fresh compile per shape: otherwise dynamo's recompile limit is reached
+            # after a few shapes and flex_attention silently runs eagerly (unfused).
+            torch._dynamo.reset()
             t0 = time.perf_counter()
             bm = neighborhood_block_mask((T, H, W), ks, 128, device=device)
             fq, fk, fv = (to_flex_layout(x) for x in (q, k, v))
@@ -216,6 +219,7 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
 
             from .flex_baseline import from_flex_layout, neighborhood_block_mask, to_flex_layout
             bm = neighborhood_block_mask((T, H, W), ks, 128, device=device)
+            torch._dynamo.reset()  # see forward_row
             flex_fn = torch.compile(flex_attention, dynamic=False)
             return graph_of(lambda a, b, c: from_flex_layout(
                 flex_fn(*(to_flex_layout(x) for x in (a, b, c)), block_mask=bm, scale=scale), shape))
@@ -273,7 +277,7 @@ def plot(rows: List[dict], path: str, title: str) -> None:
         log("matplotlib not installed: no plot")
         return
     methods = [m for m in ("na3d", "flex", "sdpa_exact") if any(m in r["ms"] for r in rows)]
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = plt.subplots(figsize=(15, 5.5))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(rows))]
@@ -283,7 +287,7 @@ def plot(rows: List[dict], path: str, title: str) -> None:
                   linestyles="--", label="roofline floor" if j == 0 else None)
     ax.set_yscale("log")
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['name']}\n{r['pass']}" for r in rows], fontsize=8)
+    ax.set_xticklabels([f"{r['name']}\n{r['pass']}" for r in rows], fontsize=7)
     ax.set_ylabel("ms (median, log scale)")
     ax.set_title(title)
     ax.legend()
