@@ -2,6 +2,7 @@
 
     python -m na3d.bench                 # forward, the six LTX-2.5 shapes, bf16
     python -m na3d.bench --backward      # ... and the backward (dq, dk, dv from dO)
+    python -m na3d.bench --decoder       # ... and the LTX-2.5 decoder end to end (diffusers)
     python -m na3d.bench --shapes edge-wide ltx-stage1 --no-flex
 
 On a GPU, in one process: measures the two ceilings (device-to-device copy
@@ -321,6 +322,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--backward", action="store_true", help="also time the backward (bwd rows)")
     parser.add_argument("--no-forward", action="store_true", help="skip the forward rows")
+    parser.add_argument("--decoder", action="store_true",
+                        help="also decode with the full-size LTX-2.5 decoder (needs diffusers; row ltx-decoder)")
 
     args = parser.parse_args(argv)
 
@@ -349,7 +352,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.backward:
             rows.append(backward_row(spec, timer, ceilings, device, methods))
             torch.cuda.empty_cache()
-    print_table(rows)
+    if args.decoder:
+        from .bench_decoder import decoder_row, print_row
+        log("[decoder] LTX-2.5 diffusion decoder, 121 frames at 512x768, tiled")
+        row = decoder_row(device)
+        print_row(row)
+        rows.append(row)
+    print_table([r for r in rows if r["pass"] in ("fwd", "bwd")])
     if args.no_write:
         return 0
     import triton
@@ -362,7 +371,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     log(f"wrote {path}")
-    plot(rows, os.path.join(args.out_dir, f"{slug}.png"), f"na3d on {name} (bf16; fwd and bwd rows)")
+    plot([r for r in rows if r["pass"] in ("fwd", "bwd")], os.path.join(args.out_dir, f"{slug}.png"),
+         f"na3d on {name} (bf16; fwd and bwd rows)")
     return 0
 
 

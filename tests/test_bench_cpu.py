@@ -1,0 +1,20 @@
+"""The README's main command works on a machine without a GPU (a CPU demonstration)."""
+
+import torch
+import pytest
+
+from na3d import bench
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark itself runs")
+def test_bench_without_gpu_runs_cpu_demo(capsys, tmp_path):
+    assert bench.main(["--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "No GPU found" in out and "max abs error" in out
+    assert not list(tmp_path.iterdir()), "no results file without a GPU"
+
+
+def test_flops_and_bytes_follow_design():
+    shape, kernel = (1, 18, 32, 48, 32, 64), (3, 7, 7)
+    assert bench.useful_flops(shape, kernel) == 4 * 18 * 32 * 48 * 32 * 64 * 147
+    assert bench.min_bytes(shape, 2) == 4 * 18 * 32 * 48 * 32 * 64 * 2
