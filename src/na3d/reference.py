@@ -235,7 +235,12 @@ def na3d_sdpa_exact(
                                 memory_budget, q.is_cuda)
     per_dim = [_runs_1d(c, e, L, K) for c, e, L, K in zip(classes, ext, shape, kernel_size)]
 
-    out = torch.empty(B, T, H, Wq, NH, v.shape[-1], dtype=q.dtype, device=q.device)
+    # Without autograd, boxes are written into the output in place. With it, they are
+    # kept and joined by one torch.cat per dimension: in-place slice writes would make
+    # every box's backward copy the whole output (quadratic in the number of boxes).
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out = None if differentiable else torch.empty(B, T, H, Wq, NH, v.shape[-1], dtype=q.dtype, device=q.device)
+    pieces: Dict[tuple, torch.Tensor] = {}
     for groups in itertools.product(*(g.values() for g in per_dim)):
         mask = _box_mask([runs[0] for runs in groups], shape, kernel_size, q.device)
         for box in itertools.product(*groups):
@@ -253,7 +258,28 @@ def na3d_sdpa_exact(
                     kb = kb.reshape(nb, -1, nh, HD).transpose(1, 2)
                     vb = vb.reshape(nb, -1, nh, vb.shape[-1]).transpose(1, 2)
                     ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-                    out[bs, t0:t1, h0:h1, qw0:qw1, ns] = (
-                        ob.transpose(1, 2).reshape(nb, t1 - t0, h1 - h0, w1 - w0, nh, -1))
+                    ob = ob.transpose(1, 2).reshape(nb, t1 - t0, h1 - h0, w1 - w0, nh, -1)
+                    if differentiable:
+                        pieces[(b0, n0, t0, h0, qw0)] = ob
+                    else:
+                        out[bs, t0:t1, h0:h1, qw0:qw1, ns] = ob
         del mask
-    return out
+    return out if out is not None else _join_boxes(pieces)
+
+
+def _join_boxes(pieces: Dict[tuple, torch.Tensor]) -> torch.Tensor:
+    """Join box outputs keyed by their (b, n, t, h, w) starts into one tensor.
+
+    The boxes tile the output, so concatenating along W, then H, T, heads and batch
+    (each level in order of its starts) rebuilds it with one differentiable op per
+    level.
+    """
+    def join(keys, level):
+        if level == 5:
+            return pieces[keys[0]]
+        dim = (0, 4, 1, 2, 3)[level]  # batch, heads, T, H, W
+        starts = sorted({key[level] for key in keys})
+        parts = [join([key for key in keys if key[level] == st], level + 1) for st in starts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+    return join(list(pieces), 0)
