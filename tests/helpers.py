@@ -39,24 +39,24 @@ def make_qkv(shape, dtype, layout="contiguous", device="cpu", seed=0):
     raise ValueError(layout)
 
 
-def tolerance(q, k, v, kernel_size, scale, oracle):
+def tolerance(q, k, v, kernel_size, scale, oracle, dilation=(1, 1, 1)):
     """Allowed max abs error: twice PyTorch's own error at q's dtype, plus a rounding band.
 
     PyTorch's error is that of the same dense masked attention computed with tensors
     of q's dtype (``compute_dtype=None``), measured against the float64 oracle.
     """
-    same_math = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, compute_dtype=None)
+    same_math = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, dilation=dilation, compute_dtype=None)
     torch_err = (same_math.double() - oracle).abs().max().item()
     band = 2 * torch.finfo(q.dtype).eps * max(1.0, oracle.abs().max().item())
     return 2 * torch_err + band
 
 
-def assert_matches_oracle(out, q, k, v, kernel_size, scale):
-    oracle = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale)
+def assert_matches_oracle(out, q, k, v, kernel_size, scale, dilation=(1, 1, 1)):
+    oracle = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, dilation=dilation)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "output has NaNs: an element was never written"
     err = (out.double() - oracle).abs().max().item()
-    tol = tolerance(q, k, v, kernel_size, scale, oracle)
+    tol = tolerance(q, k, v, kernel_size, scale, oracle, dilation)
     assert err <= tol, f"max abs error {err:.3e} > tolerance {tol:.3e}"
     return err
 
@@ -81,7 +81,7 @@ def grads_of(fn, q, k, v, grad_out):
     return [t.grad for t in leaves]
 
 
-def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
+def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1)):
     """dq, dk, dv by the flash-attention backward formulas, in PyTorch at q's dtype.
 
     Matrix products take q's dtype (as the kernels' tensor-core inputs do), softmax
@@ -91,12 +91,14 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
     """
     B, T, H, W, NH, HD = q.shape
     n, dt = T * H * W, q.dtype
-    mask = na3d.geometry.neighborhood_mask((T, H, W), kernel_size, device=q.device)
+    mask = na3d.geometry.neighborhood_mask((T, H, W), kernel_size, dilation, device=q.device)
+    group = NH // k.shape[4]
 
     def hf(x):
-        return x.reshape(B, n, NH, x.shape[-1]).transpose(1, 2)
+        return x.reshape(B, n, x.shape[-2], x.shape[-1]).transpose(1, 2)
 
-    qf, kf, vf, dof = hf(q), hf(k), hf(v), hf(grad_out)
+    qf, dof = hf(q), hf(grad_out)
+    kf, vf = (hf(x).repeat_interleave(group, dim=1) for x in (k, v))
     s = (qf @ kf.transpose(-1, -2)).float() * scale
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
@@ -109,16 +111,18 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
     dk = (ds.to(dt).transpose(-1, -2) @ qf).float() * scale
     dv = p.to(dt).transpose(-1, -2) @ dof
 
-    def back(x):
-        return x.transpose(1, 2).reshape(B, T, H, W, NH, x.shape[-1]).to(dt)
+    def back(x, heads=NH):
+        if heads != NH:  # grouped-query attention: key/value heads sum their query heads
+            x = x.unflatten(1, (heads, group)).sum(2)
+        return x.transpose(1, 2).reshape(B, T, H, W, heads, x.shape[-1]).to(dt)
 
-    return back(dq), back(dk), back(dv)
+    return back(dq), back(dk.float(), k.shape[4]), back(dv.float(), k.shape[4])
 
 
-def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
+def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1)):
     """float64 autograd through the brute force, for ``sum(out * dO) + sum(lse * dlse)``."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, lse = na3d.na3d_brute_force(*leaves, kernel_size, scale=scale, return_lse=True)
+    out, lse = na3d.na3d_brute_force(*leaves, kernel_size, scale=scale, dilation=dilation, return_lse=True)
     loss = (out * grad_out.double()).sum()
     if grad_lse is not None:
         loss = loss + (lse * grad_lse.double()).sum()
@@ -126,7 +130,7 @@ def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None):
     return [t.grad for t in leaves]
 
 
-def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad_lse=None):
+def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1)):
     """Kernel gradients against float64 autograd through the brute force.
 
     Tolerance per tensor: twice the error of the same math (``flash_style_grads`` at
@@ -135,11 +139,11 @@ def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad
     grads = [g.cpu() for g in grads]
     q, k, v, grad_out = (t.cpu() for t in (q, k, v, grad_out))
     grad_lse = grad_lse.cpu() if grad_lse is not None else None
-    oracle = oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse)
-    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse)
+    oracle = oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation)
+    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation)
     errors = {}
     for name, g, want, pt in zip(("dq", "dk", "dv"), grads, oracle, same):
-        assert g.shape == want.shape and g.dtype == q.dtype, name
+        assert g.shape == want.shape and g.dtype == q.dtype, (name, g.shape, want.shape, g.dtype)
         assert not torch.isnan(g).any(), f"{name} has NaNs"
         err = (g.double() - want).abs().max().item()
         tol = 2 * (pt.double() - want).abs().max().item() + 2 * torch.finfo(q.dtype).eps * max(

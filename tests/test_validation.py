@@ -41,10 +41,15 @@ def test_wrong_rank(qkv, shape):
 
 def test_shapes_differ(qkv):
     q, k, v = qkv
-    with pytest.raises(ValueError, match="same shape"):
-        call(q, k, torch.randn(1, 3, 4, 5, 3, 16))
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match="every dimension but the heads"):
+        call(q, k, torch.randn(1, 3, 4, 5, 1, 16))          # key and value heads differ
+    with pytest.raises(ValueError, match="every dimension but the heads"):
         call(q, torch.randn(1, 3, 4, 6, 2, 16), v)
+    with pytest.raises(ValueError, match="every dimension but the heads"):
+        call(q, k[..., :8], v[..., :8])                     # head dims differ
+    with pytest.raises(ValueError, match=r"query heads \(2\) must be a multiple of key/value heads \(3\)"):
+        x = torch.randn(1, 3, 4, 5, 3, 16)
+        call(q, x, x)
 
 
 def test_dtypes_differ_or_unsupported(qkv):
@@ -64,11 +69,11 @@ def test_devices_differ(qkv):
 
 
 @pytest.mark.parametrize("kernel_size,pattern", [
-    (0, "between 1 and"),
-    (-1, "between 1 and"),
-    ((3, 3, 7), "along W it must be between 1 and the input size 5; got 7"),
+    (0, "must be at least 1"),
+    (-1, "must be at least 1"),
+    ((3, 3, 7), "along W the kernel must be at least 1 and kernel \\* dilation at most the input size 5; got 7"),
     ((5, 3, 3), "along T"),
-    ((3, 4, 3), "even kernel sizes"),
+    ((3, 5, 3), "along H the kernel must be at least 1 and kernel \\* dilation at most the input size 4"),
     ((3, 3), "tuple of 3"),
     ((3, 3, 3, 3), "tuple of 3"),
     (3.0, "must be an int"),
@@ -109,8 +114,15 @@ def test_scale_and_flags(qkv):
         call(q, k, v, dilation=(1, 1))
 
 
-@pytest.mark.parametrize("kwargs", [dict(stride=2), dict(dilation=2), dict(is_causal=True),
-                                    dict(is_causal=(False, False, True))])
+def test_bad_dilation(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=r"dilation=\(1, 1, 0\): along W it must be at least 1"):
+        call(q, k, v, 1, dilation=(1, 1, 0))
+    with pytest.raises(ValueError, match=r"kernel \* dilation at most the input size 5; got 3 \* 2"):
+        call(q, k, v, 3, dilation=(1, 1, 2))
+
+
+@pytest.mark.parametrize("kwargs", [dict(stride=2), dict(is_causal=True), dict(is_causal=(False, False, True))])
 def test_not_yet_supported_features_say_so(qkv, kwargs):
     q, k, v = qkv
     with pytest.raises(NotImplementedError):
@@ -128,3 +140,9 @@ def test_flash_attn_validates_too(qkv):
     q, k, v = qkv
     with pytest.raises(ValueError, match="kernel_size"):
         na3d.na3d_flash_attn(q, k, v, (3, 3, 9))
+
+
+def test_even_kernels_are_accepted(qkv, monkeypatch):
+    monkeypatch.undo()
+    q, k, v = qkv
+    assert call(q, k, v, (2, 4, 4)).shape == q.shape

@@ -14,6 +14,7 @@ Dispatch by device:
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional, Sequence, Tuple, Union
 
@@ -29,19 +30,23 @@ IntOrTriple = Union[int, Sequence[int]]
 BoolOrTriple = Union[bool, Sequence[bool]]
 
 
-def _triple(value, name: str, kind: type) -> tuple:
-    """Normalize an int/bool or a 3-sequence of them into a 3-tuple."""
+def _ntuple(value, n: int, name: str, kind: type) -> tuple:
+    """Normalize an int/bool or an n-sequence of them into an n-tuple."""
     def ok(x):
         if kind is bool:
             return isinstance(x, bool)
         return isinstance(x, int) and not isinstance(x, bool)
 
     if ok(value):
-        return (value,) * 3
-    if isinstance(value, (tuple, list)) and len(value) == 3 and all(ok(x) for x in value):
+        return (value,) * n
+    if isinstance(value, (tuple, list)) and len(value) == n and all(ok(x) for x in value):
         return tuple(value)
     article = "an" if kind is int else "a"
-    raise TypeError(f"{name}={value!r} must be {article} {kind.__name__} or a tuple of 3 {kind.__name__}s")
+    raise TypeError(f"{name}={value!r} must be {article} {kind.__name__} or a tuple of {n} {kind.__name__}s")
+
+
+def _triple(value, name: str, kind: type) -> tuple:
+    return _ntuple(value, 3, name, kind)
 
 
 def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -52,10 +57,14 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
             raise ValueError(f"{name} must have rank 6 (B, T, H, W, NH, HD); got {name}.shape={tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}.dtype={t.dtype} is not supported; allowed: bfloat16, float16, float32")
-    if not (query.shape == key.shape == value.shape):
+    if key.shape != value.shape or query.shape[:4] != key.shape[:4] or query.shape[5] != key.shape[5]:
         raise ValueError(
-            "query, key and value must have the same shape (B, T, H, W, NH, HD); got "
-            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
+            "query (B, T, H, W, NH, HD) and key, value (B, T, H, W, NKV, HD) must agree in every "
+            f"dimension but the heads; got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
+            f"value.shape={tuple(value.shape)}")
+    if query.shape[4] % key.shape[4]:
+        raise ValueError(f"query heads ({query.shape[4]}) must be a multiple of key/value heads "
+                         f"({key.shape[4]}) for grouped-query attention")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
     if not (query.device == key.device == value.device):
@@ -74,16 +83,17 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
         raise ValueError(f"batch ({B}) and heads ({NH}) must each be at most {MAX_GRID_YZ}")
 
 
-def _check_kernel_size(kernel_size: IntOrTriple, spatial: Sequence[int]) -> Tuple[int, int, int]:
+def _check_kernel_size(kernel_size: IntOrTriple, dilation: IntOrTriple,
+                       spatial: Sequence[int]) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
     ks = _triple(kernel_size, "kernel_size", int)
-    for axis, k, size in zip("THW", ks, spatial):
-        if k < 1 or k > size:
-            raise ValueError(f"kernel_size={ks}: along {axis} it must be between 1 and the input size "
-                             f"{size}; got {k}")
-        if k % 2 == 0:
-            raise ValueError(f"kernel_size={ks}: even kernel sizes are not supported yet (along {axis}: {k}); "
-                             "use odd sizes")
-    return ks
+    dil = _triple(dilation, "dilation", int)
+    for axis, k, d, size in zip("THW", ks, dil, spatial):
+        if d < 1:
+            raise ValueError(f"dilation={dil}: along {axis} it must be at least 1; got {d}")
+        if k < 1 or k * d > size:
+            raise ValueError(f"kernel_size={ks}, dilation={dil}: along {axis} the kernel must be at least 1 "
+                             f"and kernel * dilation at most the input size {size}; got {k} * {d}")
+    return ks, dil
 
 
 def _run(query, key, value, kernel_size, scale: float, return_lse: bool):
@@ -96,9 +106,7 @@ def _run(query, key, value, kernel_size, scale: float, return_lse: bool):
         # The log-sum-exp is saved for the backward only when a gradient can flow.
         out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad)
         return (out, lse) if return_lse else out
-    if return_lse:
-        raise NotImplementedError("return_lse=True is not available on the CPU reference path yet")
-    return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale)
+    return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse)
 
 
 def na3d(
@@ -123,25 +131,84 @@ def na3d(
     Differentiable (Triton backward kernels; the CPU reference through autograd),
     and a ``torch.library`` op, so ``torch.compile`` and CUDA graphs take it.
 
-    Not yet supported (raise ``NotImplementedError``): ``stride != 1``,
-    ``dilation != 1``, ``is_causal`` true along any axis.
+    ``dilation`` (NATTEN's: axes split into groups by ``index % d``), even kernel
+    sizes (``K // 2`` keys left of the center, ``K // 2 - 1`` right) and grouped-query
+    attention (``key``/``value`` with fewer heads, a divisor of the query's) are
+    supported; dilation and GQA are composed from the dilation-1, equal-heads kernel
+    (one launch per dilation group and per key/value head, inputs as strided views).
+
+    Not yet supported (raise ``NotImplementedError``): ``stride != 1`` and
+    ``is_causal`` true along any axis.
     """
     _check_tensors(query, key, value)
-    ks = _check_kernel_size(kernel_size, query.shape[1:4])
+    ks, dil = _check_kernel_size(kernel_size, dilation, query.shape[1:4])
     if _triple(stride, "stride", int) != (1, 1, 1):
         raise NotImplementedError(f"stride={stride}: only stride 1 is supported")
-    if _triple(dilation, "dilation", int) != (1, 1, 1):
-        raise NotImplementedError(f"dilation={dilation}: only dilation 1 is supported yet")
     if any(_triple(is_causal, "is_causal", bool)):
         raise NotImplementedError(f"is_causal={is_causal}: causal masks are not supported yet")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise TypeError(f"scale={scale!r} must be a finite float or None")
-
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
-    return _run(query, key, value, ks, float(scale), return_lse)
+    return _dilated(query, key, value, ks, dil, float(scale), return_lse)
+
+
+def _dilated(q, k, v, kernel_size, dilation, scale: float, return_lse: bool):
+    """Dilation by composition: NATTEN splits each axis into ``d`` groups by
+    ``index % d`` and runs dilation-1 neighborhood attention inside each group. A group
+    is a strided view (no copy); the groups' results are interleaved back."""
+    if dilation == (1, 1, 1):
+        return _grouped_heads(q, k, v, kernel_size, scale, return_lse)
+    dt, dh, dw = dilation
+    pieces = []
+    for gt, gh, gw in itertools.product(range(dt), range(dh), range(dw)):
+        view = (slice(None), slice(gt, None, dt), slice(gh, None, dh), slice(gw, None, dw))
+        pieces.append(_grouped_heads(q[view], k[view], v[view], kernel_size, scale, return_lse))
+    if return_lse:
+        return (_interleave([p[0] for p in pieces], dilation, q.shape[1:4]),
+                _interleave([p[1] for p in pieces], dilation, q.shape[1:4]))
+    return _interleave(pieces, dilation, q.shape[1:4])
+
+
+def _interleave(pieces, dilation, spatial):
+    """Inverse of the dilation split: group (gt, gh, gw) holds positions ``g + d * i``.
+
+    Each group is padded at the end to ``ceil(L / d)`` along every axis, the groups
+    are stacked, and one permute + reshape puts position ``i * d + g`` in place; the
+    padding falls beyond ``L`` and is cut. Differentiable, one copy.
+    """
+    dt, dh, dw = dilation
+    full = [-(-L // d) for L, d in zip(spatial, dilation)]
+    padded = []
+    for x in pieces:
+        pad = []
+        for axis in (3, 2, 1):  # F.pad lists the last dimensions first
+            pad += [0, full[axis - 1] - x.shape[axis]]
+        padded.append(torch.nn.functional.pad(x, [0, 0] * (x.dim() - 4) + pad))
+    rest = padded[0].shape[4:]
+    stacked = torch.stack(padded).reshape(dt, dh, dw, padded[0].shape[0], *full, *rest)
+    order = [3, 4, 0, 5, 1, 6, 2] + list(range(7, 7 + len(rest)))
+    merged = stacked.permute(order).reshape(padded[0].shape[0], full[0] * dt, full[1] * dh, full[2] * dw, *rest)
+    return merged[:, :spatial[0], :spatial[1], :spatial[2]]
+
+
+def _grouped_heads(q, k, v, kernel_size, scale: float, return_lse: bool):
+    """Grouped-query attention by composition: the query heads of each key/value head
+    see it through a zero-stride view (``expand``: nothing is copied)."""
+    heads, kv_heads = q.shape[4], k.shape[4]
+    if heads == kv_heads:
+        return _run(q, k, v, kernel_size, scale, return_lse)
+    group = heads // kv_heads
+    shape = list(k.shape)
+    shape[4] = group
+    parts = [_run(q[..., j * group:(j + 1) * group, :], k[..., j:j + 1, :].expand(shape),
+                  v[..., j:j + 1, :].expand(shape), kernel_size, scale, return_lse)
+             for j in range(kv_heads)]
+    if return_lse:
+        return torch.cat([p[0] for p in parts], 4), torch.cat([p[1] for p in parts], 4)
+    return torch.cat(parts, 4)
 
 
 def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTriple) -> torch.Tensor:
@@ -151,3 +218,47 @@ def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_si
     Same layout, windows and device policy as :func:`na3d`.
     """
     return na3d(q, k, v, kernel_size, scale=1.0)
+
+
+def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_size, stride, dilation,
+                is_causal, scale, return_lse):
+    """na1d / na2d as na3d on views with unit leading spatial axes (no copies)."""
+    n = rank - 3
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn_name}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{fn_name}: {name} must have rank {rank} {layout}; got {name}.shape={tuple(t.shape)}")
+    pad = (1,) * (3 - n)
+    ks = pad + _ntuple(kernel_size, n, "kernel_size", int)
+    st = pad + _ntuple(stride, n, "stride", int)
+    dil = pad + _ntuple(dilation, n, "dilation", int)
+    causal = (False,) * (3 - n) + _ntuple(is_causal, n, "is_causal", bool)
+    lift = (slice(None),) + (None,) * (3 - n)
+    result = na3d(query[lift], key[lift], value[lift], ks, st, dil, causal, scale, return_lse)
+    drop = (slice(None),) + (0,) * (3 - n)
+    if return_lse:
+        return result[0][drop], result[1][drop]
+    return result[drop]
+
+
+def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
+         return_lse=False):
+    """1D neighborhood attention on ``(B, L, NH, HD)`` tensors, ``natten.na1d``'s signature.
+
+    Runs the 3D kernels on ``(B, 1, 1, L, NH, HD)`` views; same semantics, support and
+    errors as :func:`na3d`.
+    """
+    return _lower_rank("na1d", 4, "(B, L, NH, HD)", query, key, value, kernel_size, stride, dilation,
+                       is_causal, scale, return_lse)
+
+
+def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
+         return_lse=False):
+    """2D neighborhood attention on ``(B, X, Y, NH, HD)`` tensors, ``natten.na2d``'s signature.
+
+    Runs the 3D kernels on ``(B, 1, X, Y, NH, HD)`` views; same semantics, support and
+    errors as :func:`na3d`.
+    """
+    return _lower_rank("na2d", 5, "(B, X, Y, NH, HD)", query, key, value, kernel_size, stride, dilation,
+                       is_causal, scale, return_lse)

@@ -208,13 +208,17 @@ def na3d_sdpa_exact(
     scale: Optional[float] = None,
     w_offset: int = 0,
     memory_budget: int = 1 << 30,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Exact neighborhood attention from grouped ``F.scaled_dot_product_attention`` calls.
 
     ``q``: ``(B, T, H, Wq, NH, HD)``, the queries at global W positions
     ``w_offset .. w_offset + Wq - 1``; ``k``, ``v``: ``(B, T, H, W, NH, HD)``, the full
     grid. Windows are computed in global coordinates, so a W sub-slice of queries
     gets exactly the rows of the full result. ``scale=None`` means ``HD ** -0.5``.
+
+    ``return_lse=True`` also returns the natural-log log-sum-exp ``(B, T, H, Wq, NH)``
+    in float32 (from the box's masked scores, computed once more for it).
 
     Memory: the temporaries of any single step (box copies, one mask, attention
     intermediates; see ``_box_bytes``) stay under ``memory_budget`` bytes, on top of
@@ -240,7 +244,9 @@ def na3d_sdpa_exact(
     # every box's backward copy the whole output (quadratic in the number of boxes).
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out = None if differentiable else torch.empty(B, T, H, Wq, NH, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = None if differentiable or not return_lse else torch.empty(B, T, H, Wq, NH, device=q.device)
     pieces: Dict[tuple, torch.Tensor] = {}
+    lse_pieces: Dict[tuple, torch.Tensor] = {}
     for groups in itertools.product(*(g.values() for g in per_dim)):
         mask = _box_mask([runs[0] for runs in groups], shape, kernel_size, q.device)
         for box in itertools.product(*groups):
@@ -259,12 +265,24 @@ def na3d_sdpa_exact(
                     vb = vb.reshape(nb, -1, nh, vb.shape[-1]).transpose(1, 2)
                     ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
                     ob = ob.transpose(1, 2).reshape(nb, t1 - t0, h1 - h0, w1 - w0, nh, -1)
+                    box_key = (b0, n0, t0, h0, qw0)
                     if differentiable:
-                        pieces[(b0, n0, t0, h0, qw0)] = ob
+                        pieces[box_key] = ob
                     else:
                         out[bs, t0:t1, h0:h1, qw0:qw1, ns] = ob
+                    if return_lse:
+                        scores = (qb.float() @ kb.float().transpose(-1, -2)) * scale
+                        lb = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+                        lb = lb.transpose(1, 2).reshape(nb, t1 - t0, h1 - h0, w1 - w0, nh)
+                        if differentiable:
+                            lse_pieces[box_key] = lb
+                        else:
+                            lse[bs, t0:t1, h0:h1, qw0:qw1, ns] = lb
         del mask
-    return out if out is not None else _join_boxes(pieces)
+    if differentiable:
+        out = _join_boxes(pieces)
+        lse = _join_boxes(lse_pieces) if return_lse else None
+    return (out, lse) if return_lse else out
 
 
 def _join_boxes(pieces: Dict[tuple, torch.Tensor]) -> torch.Tensor:

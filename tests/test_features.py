@@ -1,0 +1,230 @@
+"""NATTEN's features beyond the base case: even kernels, dilation, grouped-query
+attention, return_lse and merging, na1d/na2d.
+
+Random configurations (a new seed per case) through the kernels (the Triton
+interpreter on a CPU-only machine, the compiled kernels on a GPU) and through the
+PyTorch reference path, against the float64 oracle; the oracle itself is checked
+against NATTEN where NATTEN is installed.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import na3d
+from na3d import api, launch
+from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_RUN = DEVICE == "cuda" or launch.kernels_interpreted()
+
+
+def random_config(seed, max_len=9, min_kernel=1):
+    """(shape, kv_heads, kernel, dilation) with kernel * dilation <= size per axis."""
+    rng = random.Random(seed)
+    spatial, kernel, dilation = [], [], []
+    for _ in range(3):
+        d = rng.choice([1, 1, 2, 3])
+        k = rng.randint(min_kernel, 4)
+        L = rng.randint(k * d, max(k * d, max_len))
+        spatial.append(L)
+        kernel.append(k)
+        dilation.append(d)
+    kv_heads = rng.choice([1, 2])
+    heads = kv_heads * rng.choice([1, 2])
+    shape = (rng.choice([1, 2]), *spatial, heads, 16)
+    return shape, kv_heads, tuple(kernel), tuple(dilation)
+
+
+def qkv_for(shape, kv_heads, dtype, seed):
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=seed)
+    return q, k[..., :kv_heads, :], v[..., :kv_heads, :]
+
+
+def on_reference_path(monkeypatch):
+    """Force CPU calls onto the PyTorch reference, as without the interpreter."""
+    monkeypatch.setattr(launch, "kernels_interpreted", lambda: False)
+
+
+# --------------------------------------------------------------------------------
+# The oracle is NATTEN's definition
+# --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_oracle_equals_natten(seed):
+    natten = pytest.importorskip("natten")
+    shape, kv_heads, kernel, dilation = random_config(100 + seed, min_kernel=2)  # NATTEN rejects 1
+    causal = tuple(random.Random(seed).choice([False, True]) for _ in range(3))
+    q, k, v = (t.cpu().float() for t in qkv_for(shape, kv_heads, torch.float32, seed))
+    want = natten.na3d(q, k, v, kernel_size=kernel, dilation=dilation, is_causal=causal)
+    got = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, compute_dtype=torch.float64)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------
+# Kernels (interpreter or GPU)
+# --------------------------------------------------------------------------------
+
+kernels_only = pytest.mark.skipif(not KERNELS_RUN, reason="no GPU and the Triton interpreter is not active")
+
+
+@kernels_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("seed", range(5))
+def test_forward_random_features(seed, dtype):
+    shape, kv_heads, kernel, dilation = random_config(seed)
+    q, k, v = qkv_for(shape, kv_heads, dtype, seed)
+    out = na3d.na3d(q, k, v, kernel, dilation=dilation, scale=0.3)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, dilation)
+
+
+@kernels_only
+@pytest.mark.parametrize("seed", range(4))
+def test_backward_random_features(seed):
+    shape, kv_heads, kernel, dilation = random_config(50 + seed, max_len=7)
+    q, k, v = qkv_for(shape, kv_heads, torch.float32, seed)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    (na3d.na3d(*leaves, kernel, dilation=dilation, scale=0.3) * grad_out).sum().backward()
+    assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, 0.3, dilation=dilation)
+
+
+@kernels_only
+@pytest.mark.parametrize("kernel", [(2, 2, 2), (4, 1, 6), (2, 3, 4)])
+def test_even_kernels(kernel):
+    shape = (1, 5, 6, 7, 2, 16)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=sum(kernel))
+    out = na3d.na3d(q, k, v, kernel)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)
+
+
+@kernels_only
+def test_mqa_and_gqa_views_are_not_copied(monkeypatch):
+    shape, kernel = (1, 3, 4, 5, 4, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=3)
+    seen = []
+    real = launch.na3d_forward
+
+    def spy(qq, kk, vv, *args, **kwargs):
+        seen.append((kk.stride(4), kk.data_ptr()))
+        return real(qq, kk, vv, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "na3d_forward", spy)
+    k1, v1 = k[..., :1, :], v[..., :1, :]
+    out = na3d.na3d(q, k1, v1, kernel)
+    assert seen == [(0, k1.data_ptr())], "MQA must read the one key head through a zero-stride view"
+    assert_matches_oracle(out.cpu(), q.cpu(), k1.cpu(), v1.cpu(), kernel, 0.25)
+
+
+@kernels_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_lse_with_features(dtype):
+    shape, kv_heads, kernel, dilation = (1, 6, 5, 8, 4, 16), 2, (2, 3, 3), (2, 1, 2)
+    q, k, v = qkv_for(shape, kv_heads, dtype, 9)
+    out, lse = na3d.na3d(q, k, v, kernel, dilation=dilation, return_lse=True)
+    _, want = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, dilation=dilation, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == shape[:5]
+    torch.testing.assert_close(lse.cpu().double(), want, rtol=0, atol=2e-3 if dtype == torch.float16 else 1e-5)
+
+
+# --------------------------------------------------------------------------------
+# The PyTorch reference path (CPU without the interpreter)
+# --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reference_path_random_features(seed, monkeypatch):
+    on_reference_path(monkeypatch)
+    shape, kv_heads, kernel, dilation = random_config(200 + seed)
+    q, k, v = (t.cpu() for t in qkv_for(shape, kv_heads, torch.float32, seed))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = na3d.na3d(*leaves, kernel, dilation=dilation, return_lse=True)
+    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, return_lse=True)
+    torch.testing.assert_close(out.double(), want.double(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-6)
+    grad_out = torch.randn(shape)
+    (out * grad_out).sum().backward()
+    assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, shape[-1] ** -0.5,
+                              dilation=dilation)
+
+
+# --------------------------------------------------------------------------------
+# Merging, and the 1-D / 2-D entry points
+# --------------------------------------------------------------------------------
+
+def test_merge_neighborhood_with_extra_tokens():
+    """Neighborhood attention merged with attention over extra (e.g. text) tokens
+    equals attention over the union, forward and backward."""
+    shape, kernel, extra = (1, 3, 4, 5, 2, 16), (3, 3, 3), 7
+    B, T, H, W, NH, HD = shape
+    n = T * H * W
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    ek, ev = (torch.randn(B, extra, NH, HD, generator=gen).to(DEVICE) for _ in range(2))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, ek, ev)]
+    lq, lk, lv, lek, lev = leaves
+    out_na, lse_na = na3d.na3d(lq, lk, lv, kernel, return_lse=True)
+    scores = torch.einsum("bthwnd,bend->bthwne", lq, lek) * HD ** -0.5
+    lse_x = torch.logsumexp(scores, -1)
+    out_x = torch.einsum("bthwne,bend->bthwnd", torch.softmax(scores, -1), lev)
+    out, lse = na3d.merge_attentions([out_na, out_x], [lse_na, lse_x])
+    grad_out = torch.randn(shape, generator=gen).to(DEVICE)
+    (out * grad_out).sum().backward()
+
+    # Oracle: dense float64 attention over the grid plus the extra tokens.
+    ref = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, ek, ev)]
+    rq, rk, rv, rek, rev = ref
+    keys = torch.cat([rk.reshape(B, n, NH, HD), rek], 1).transpose(1, 2)
+    vals = torch.cat([rv.reshape(B, n, NH, HD), rev], 1).transpose(1, 2)
+    mask = torch.cat([na3d.geometry.neighborhood_mask((T, H, W), kernel), torch.ones(n, extra, dtype=torch.bool)], 1)
+    s = (rq.reshape(B, n, NH, HD).transpose(1, 2) @ keys.transpose(-1, -2)) * HD ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    want = (torch.softmax(s, -1) @ vals).transpose(1, 2).reshape(shape)
+    want_lse = torch.logsumexp(s, -1).transpose(1, 2).reshape(shape[:5])
+    (want * grad_out.double().cpu()).sum().backward()
+    torch.testing.assert_close(out.double().cpu(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=0, atol=1e-5)
+    for got, exp in zip(leaves, ref):
+        torch.testing.assert_close(got.grad.double().cpu(), exp.grad, rtol=0, atol=5e-5)
+
+
+def test_merge_attentions_validates():
+    a = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="at least two"):
+        na3d.merge_attentions([a], [a[..., 0]])
+    with pytest.raises(ValueError, match="lse_tensors\\[1\\]"):
+        na3d.merge_attentions([a, a], [a[..., 0], a])
+    with pytest.raises(TypeError):
+        na3d.merge_attentions(a, a)
+
+
+def test_na1d_na2d_match_na3d_and_natten():
+    gen = torch.Generator().manual_seed(5)
+    x1 = [torch.randn(2, 13, 2, 16, generator=gen) for _ in range(3)]
+    o1, l1 = na3d.na1d(*x1, 4, dilation=2, return_lse=True)
+    w1 = na3d.na3d_brute_force(*(t[:, None, None] for t in x1), (1, 1, 4), dilation=(1, 1, 2))[:, 0, 0]
+    assert o1.shape == x1[0].shape and l1.shape == x1[0].shape[:3]
+    torch.testing.assert_close(o1.double(), w1.double(), rtol=0, atol=2e-6)
+    x2 = [torch.randn(1, 7, 9, 2, 16, generator=gen) for _ in range(3)]
+    o2 = na3d.na2d(*x2, (3, 4))
+    w2 = na3d.na3d_brute_force(*(t[:, None] for t in x2), (1, 3, 4))[:, 0]
+    torch.testing.assert_close(o2.double(), w2.double(), rtol=0, atol=2e-6)
+    natten = pytest.importorskip("natten")
+    torch.testing.assert_close(o1, natten.na1d(*x1, 4, dilation=2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o2, natten.na2d(*x2, (3, 4)), rtol=1e-5, atol=1e-5)
+
+
+def test_lower_rank_errors_name_their_layout():
+    x = torch.randn(1, 5, 2, 16)
+    with pytest.raises(ValueError, match=r"na2d: query must have rank 5 \(B, X, Y, NH, HD\)"):
+        na3d.na2d(x, x, x, 3)
+    with pytest.raises(TypeError, match="kernel_size"):
+        na3d.na1d(x, x, x, (3, 3))
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3))[1:])
+def test_causal_is_refused_until_the_kernels_have_it(flags):
+    x = torch.randn(1, 3, 3, 3, 1, 16)
+    with pytest.raises(NotImplementedError, match="causal"):
+        na3d.na3d(x, x, x, 3, is_causal=flags)
