@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import na3d
-from na3d import api, launch
+from na3d import launch
 from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

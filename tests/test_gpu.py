@@ -6,7 +6,6 @@ in that dtype), measured against a float32 (large shapes) or float64 (small shap
 oracle.
 """
 
-import math
 
 import pytest
 import torch

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 from importlib import resources
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
