@@ -65,7 +65,11 @@ def configs_for(arch):
         key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"], head_dim)
         if key not in seen:
             seen.add(key)
-            yield entry["bucket"], key
+            yield entry["bucket"], key, entry.get("backward")
+
+
+# Causal flags cycle over the table's buckets: every flag is compiled on and off.
+CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True), (True, True, False)]
 
 
 def compile_all(arch):
@@ -74,15 +78,26 @@ def compile_all(arch):
 
     target, instruction, asm = TARGETS[arch]
     target = GPUTarget(*target)
-    for bucket, (q_tile, kv_tile, warps, stages, head_dim) in configs_for(arch):
+    for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd) in enumerate(configs_for(arch)):
+        causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
+        base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2])
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
-        base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim)
         fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, **tiles), warps, stages)
         assert instruction in fwd.asm[asm], f"{arch} {bucket}: forward has no {instruction}"
-        dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, **tiles), warps, max(1, stages - 1))
+        dq_warps, dq_stages = warps, max(1, stages - 1)
+        dkdv_warps, dkdv_stages = dq_warps, dq_stages
+        dkdv_k, dkdv_q = q_tile, kv_tile
+        if bwd is not None:
+            q_tile, kv_tile = bwd["dq"]
+            dkdv_k, dkdv_q = bwd["dkdv"]
+            dq_warps, dq_stages = bwd["num_warps"], bwd["num_stages"]
+            dkdv_warps = bwd.get("dkdv_num_warps", dq_warps)
+            dkdv_stages = bwd.get("dkdv_num_stages", dq_stages)
+        tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
+        dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, **tiles), dq_warps, dq_stages)
         assert instruction in dq.asm[asm], f"{arch} {bucket}: dQ has no {instruction}"
-        dual = dict(K_T=q_tile[0], K_H=q_tile[1], K_W=q_tile[2], Q_T=kv_tile[0], Q_H=kv_tile[1], Q_W=kv_tile[2])
-        dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, **dual), warps, max(1, stages - 1))
+        dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
+        dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, **dual), dkdv_warps, dkdv_stages)
         assert instruction in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {instruction}"
     print(f"{arch}: all kernels compiled with every table configuration")
 

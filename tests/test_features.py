@@ -1,5 +1,5 @@
-"""NATTEN's features beyond the base case: even kernels, dilation, grouped-query
-attention, return_lse and merging, na1d/na2d.
+"""NATTEN's features beyond the base case: even kernels, dilation, causal axes,
+grouped-query attention, return_lse and merging, na1d/na2d.
 
 Random configurations (a new seed per case) through the kernels (the Triton
 interpreter on a CPU-only machine, the compiled kernels on a GPU) and through the
@@ -22,9 +22,9 @@ KERNELS_RUN = DEVICE == "cuda" or launch.kernels_interpreted()
 
 
 def random_config(seed, max_len=9, min_kernel=1):
-    """(shape, kv_heads, kernel, dilation) with kernel * dilation <= size per axis."""
+    """(shape, kv_heads, kernel, dilation, causal) with kernel * dilation <= size per axis."""
     rng = random.Random(seed)
-    spatial, kernel, dilation = [], [], []
+    spatial, kernel, dilation, causal = [], [], [], []
     for _ in range(3):
         d = rng.choice([1, 1, 2, 3])
         k = rng.randint(min_kernel, 4)
@@ -32,10 +32,11 @@ def random_config(seed, max_len=9, min_kernel=1):
         spatial.append(L)
         kernel.append(k)
         dilation.append(d)
+        causal.append(rng.random() < 0.4)
     kv_heads = rng.choice([1, 2])
     heads = kv_heads * rng.choice([1, 2])
     shape = (rng.choice([1, 2]), *spatial, heads, 16)
-    return shape, kv_heads, tuple(kernel), tuple(dilation)
+    return shape, kv_heads, tuple(kernel), tuple(dilation), tuple(causal)
 
 
 def qkv_for(shape, kv_heads, dtype, seed):
@@ -55,7 +56,7 @@ def on_reference_path(monkeypatch):
 @pytest.mark.parametrize("seed", range(6))
 def test_oracle_equals_natten(seed):
     natten = pytest.importorskip("natten")
-    shape, kv_heads, kernel, dilation = random_config(100 + seed, min_kernel=2)  # NATTEN rejects 1
+    shape, kv_heads, kernel, dilation, _ = random_config(100 + seed, min_kernel=2)  # NATTEN rejects 1
     causal = tuple(random.Random(seed).choice([False, True]) for _ in range(3))
     q, k, v = (t.cpu().float() for t in qkv_for(shape, kv_heads, torch.float32, seed))
     want = natten.na3d(q, k, v, kernel_size=kernel, dilation=dilation, is_causal=causal)
@@ -74,21 +75,63 @@ kernels_only = pytest.mark.skipif(not KERNELS_RUN, reason="no GPU and the Triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("seed", range(5))
 def test_forward_random_features(seed, dtype):
-    shape, kv_heads, kernel, dilation = random_config(seed)
+    shape, kv_heads, kernel, dilation, causal = random_config(seed)
     q, k, v = qkv_for(shape, kv_heads, dtype, seed)
-    out = na3d.na3d(q, k, v, kernel, dilation=dilation, scale=0.3)
-    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, dilation)
+    out = na3d.na3d(q, k, v, kernel, dilation=dilation, is_causal=causal, scale=0.3)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, dilation, causal)
 
 
 @kernels_only
 @pytest.mark.parametrize("seed", range(4))
 def test_backward_random_features(seed):
-    shape, kv_heads, kernel, dilation = random_config(50 + seed, max_len=7)
+    shape, kv_heads, kernel, dilation, causal = random_config(50 + seed, max_len=7)
     q, k, v = qkv_for(shape, kv_heads, torch.float32, seed)
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    (na3d.na3d(*leaves, kernel, dilation=dilation, scale=0.3) * grad_out).sum().backward()
-    assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, 0.3, dilation=dilation)
+    (na3d.na3d(*leaves, kernel, dilation=dilation, is_causal=causal, scale=0.3) * grad_out).sum().backward()
+    assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, 0.3, dilation=dilation,
+                              is_causal=causal)
+
+
+CAUSAL_FLAGS = list(itertools.product([False, True], repeat=3))
+
+
+@kernels_only
+@pytest.mark.parametrize("causal", CAUSAL_FLAGS, ids=lambda c: "".join("c" if x else "-" for x in c))
+def test_causal_flags_forward_and_backward(causal):
+    """Every combination of causal axes, on odd sizes with an even and an odd kernel
+    and a kernel equal to its axis, forward (with lse) and backward."""
+    shape, kernel = (2, 5, 6, 7, 2, 16), (2, 3, 7)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=sum(causal) + 20)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(21)).to(DEVICE)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = na3d.na3d(*leaves, kernel, is_causal=causal, return_lse=True)
+    assert_matches_oracle(out.detach().cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25, is_causal=causal)
+    _, want_lse = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, is_causal=causal, return_lse=True)
+    torch.testing.assert_close(lse.detach().cpu().double(), want_lse, rtol=0, atol=1e-5)
+    (out * grad_out).sum().backward()
+    assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, 0.25, is_causal=causal)
+
+
+@kernels_only
+@pytest.mark.parametrize("causal", [(True, False, False), (False, True, True)])
+def test_causal_kernel_tiles(causal):
+    """Causal windows through tiles cut by the grid's end and larger than an axis."""
+    from na3d.configs import BackwardConfig, ForwardConfig
+    from helpers import poisoned_like
+
+    shape, kernel = (1, 3, 9, 10, 1, 16), (3, 4, 5)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=31)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    for fwd in (ForwardConfig((4, 2, 2), (1, 4, 4), 4, 1), ForwardConfig((1, 2, 8), (2, 1, 8), 4, 1)):
+        out = poisoned_like(q)
+        out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, need_lse=True, out=out, config=fwd,
+                                       is_causal=causal)
+        assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25, is_causal=causal)
+    bwd = BackwardConfig((4, 4, 1), (1, 2, 8), (1, 2, 8), (4, 1, 4), 4, 1)
+    grads = tuple(poisoned_like(t) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.25, grads=grads, config=bwd, is_causal=causal)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25, is_causal=causal)
 
 
 @kernels_only
@@ -136,17 +179,28 @@ def test_lse_with_features(dtype):
 @pytest.mark.parametrize("seed", range(4))
 def test_reference_path_random_features(seed, monkeypatch):
     on_reference_path(monkeypatch)
-    shape, kv_heads, kernel, dilation = random_config(200 + seed)
+    shape, kv_heads, kernel, dilation, causal = random_config(200 + seed)
     q, k, v = (t.cpu() for t in qkv_for(shape, kv_heads, torch.float32, seed))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = na3d.na3d(*leaves, kernel, dilation=dilation, return_lse=True)
-    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, return_lse=True)
+    out, lse = na3d.na3d(*leaves, kernel, dilation=dilation, is_causal=causal, return_lse=True)
+    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, return_lse=True)
     torch.testing.assert_close(out.double(), want.double(), rtol=0, atol=2e-6)
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-6)
     grad_out = torch.randn(shape)
     (out * grad_out).sum().backward()
     assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, shape[-1] ** -0.5,
-                              dilation=dilation)
+                              dilation=dilation, is_causal=causal)
+
+
+@pytest.mark.parametrize("causal", CAUSAL_FLAGS[1:], ids=lambda c: "".join("c" if x else "-" for x in c))
+def test_reference_path_causal_flags(causal, monkeypatch):
+    on_reference_path(monkeypatch)
+    shape, kernel = (1, 6, 5, 7, 2, 16), (3, 2, 4)
+    q, k, v = make_qkv(shape, torch.float32, seed=40)
+    out, lse = na3d.na3d(q, k, v, kernel, is_causal=causal, return_lse=True)
+    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, is_causal=causal, return_lse=True)
+    torch.testing.assert_close(out.double(), want.double(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-6)
 
 
 # --------------------------------------------------------------------------------
@@ -223,8 +277,11 @@ def test_lower_rank_errors_name_their_layout():
         na3d.na1d(x, x, x, (3, 3))
 
 
-@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3))[1:])
-def test_causal_is_refused_until_the_kernels_have_it(flags):
-    x = torch.randn(1, 3, 3, 3, 1, 16)
-    with pytest.raises(NotImplementedError, match="causal"):
-        na3d.na3d(x, x, x, 3, is_causal=flags)
+def test_causal_matches_natten():
+    natten = pytest.importorskip("natten")
+    gen = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(1, 6, 5, 7, 2, 16, generator=gen) for _ in range(3))
+    for causal in CAUSAL_FLAGS[1:]:
+        got = na3d.na3d(q, k, v, (3, 2, 4), dilation=(1, 2, 1), is_causal=causal)
+        want = natten.na3d(q, k, v, kernel_size=(3, 2, 4), dilation=(1, 2, 1), is_causal=causal)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -104,24 +104,29 @@ try:
     import triton.language as tl
 
     from na3d.kernels.common import queries_seeing as device_queries_seeing
+    from na3d.kernels.common import window_bounds as device_window_bounds
     from na3d.kernels.common import window_start as device_window_start
 
     @triton.jit
-    def _window_start_probe(Out, L, K, BLOCK: tl.constexpr):
+    def _window_probe(Start, Bounds, L, K, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
-        tl.store(Out + i, device_window_start(i, L, K), mask=i < L)
+        tl.store(Start + i, device_window_start(i, L, K), mask=i < L)
+        first, stop = device_window_bounds(i, L, K, CAUSAL)
+        tl.store(Bounds + 2 * i, first, mask=i < L)
+        tl.store(Bounds + 2 * i + 1, stop, mask=i < L)
 
     @triton.jit
-    def _queries_seeing_probe(Out, a, b, L, K):
-        first, stop = device_queries_seeing(a, b, L, K)
+    def _queries_seeing_probe(Out, a, b, L, K, CAUSAL: tl.constexpr):
+        first, stop = device_queries_seeing(a, b, L, K, CAUSAL)
         tl.store(Out, first)
         tl.store(Out + 1, stop)
 except ImportError:  # pragma: no cover - Triton is a test dependency
     triton = None
 
 
-def test_device_window_start_matches_geometry():
-    """The kernels' ``window_start`` (interpreter or GPU) equals the Python one."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_device_geometry_matches_python(causal):
+    """The kernels' window functions (interpreter or GPU) equal the Python ones."""
     from na3d.launch import kernels_interpreted
 
     if triton is None:
@@ -129,14 +134,29 @@ def test_device_window_start_matches_geometry():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not kernels_interpreted():
         pytest.skip("no GPU and the Triton interpreter is not active")
-    for length, kernel in [(1, 1), (7, 1), (7, 3), (7, 7), (16, 5), (33, 11), (64, 27)]:
-        out = torch.full((64,), -1, dtype=torch.int32, device=device)
-        _window_start_probe[(1,)](out, length, kernel, BLOCK=64)
-        want = [geometry.window_start(i, length, kernel) for i in range(length)]
-        assert out[:length].tolist() == want
-    for length, kernel in [(7, 3), (13, 5), (16, 1), (9, 9)]:
+    for length, kernel in [(1, 1), (7, 1), (7, 3), (7, 7), (16, 4), (16, 5), (33, 11), (64, 27)]:
+        start = torch.full((64,), -1, dtype=torch.int32, device=device)
+        bounds = torch.full((64, 2), -1, dtype=torch.int32, device=device)
+        _window_probe[(1,)](start, bounds, length, kernel, CAUSAL=causal, BLOCK=64)
+        assert start[:length].tolist() == [geometry.window_start(i, length, kernel) for i in range(length)]
+        want = [list(geometry.window_bounds(i, length, kernel, 1, causal)) for i in range(length)]
+        assert bounds[:length].tolist() == want
+    for length, kernel in [(7, 3), (13, 5), (16, 1), (9, 9), (10, 4)]:
         for a in range(0, length, 2):
             for b in range(a, length, 3):
                 out = torch.zeros(2, dtype=torch.int32, device=device)
-                _queries_seeing_probe[(1,)](out, a, b, length, kernel)
-                assert tuple(out.tolist()) == geometry.queries_seeing(a, b, length, kernel)
+                _queries_seeing_probe[(1,)](out, a, b, length, kernel, CAUSAL=causal)
+                assert tuple(out.tolist()) == geometry.queries_seeing(a, b, length, kernel, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_union_and_queries_seeing_per_causal_flag(causal):
+    for length, kernel in [(7, 3), (10, 4), (9, 9), (12, 1), (11, 6)]:
+        sees = geometry.mask_1d(length, kernel, is_causal=causal)
+        for a in range(length):
+            for b in range(a, length):
+                rows = sees[:, a:b + 1].any(1).nonzero().flatten().tolist()
+                assert geometry.queries_seeing(a, b, length, kernel, causal) == (rows[0], rows[-1] + 1)
+                lo, hi = geometry.union_of_windows(a, b, length, kernel, causal)
+                cols = sees[a:b + 1].any(0).nonzero().flatten().tolist()
+                assert (lo, hi) == (cols[0], cols[-1] + 1)

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 from importlib import resources
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,6 +49,8 @@ class BackwardConfig:
 
     dQ scans key boxes (``dq_kv_tile``) for a box of queries (``dq_q_tile``); dK/dV
     scans query boxes (``dkdv_q_tile``) for a box of keys (``dkdv_k_tile``).
+    ``num_warps``/``num_stages`` are the dQ kernel's, and the dK/dV kernel's too
+    unless ``dkdv_num_warps``/``dkdv_num_stages`` say otherwise.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -57,6 +59,16 @@ class BackwardConfig:
     num_warps: int
     num_stages: int
     bucket: str = "explicit"
+    dkdv_num_warps: Optional[int] = None
+    dkdv_num_stages: Optional[int] = None
+
+    @property
+    def dkdv_warps(self) -> int:
+        return self.dkdv_num_warps if self.dkdv_num_warps is not None else self.num_warps
+
+    @property
+    def dkdv_stages(self) -> int:
+        return self.dkdv_num_stages if self.dkdv_num_stages is not None else self.num_stages
 
     def __post_init__(self):
         for name in ("dq_q_tile", "dq_kv_tile", "dkdv_k_tile", "dkdv_q_tile"):
@@ -170,4 +182,5 @@ def backward_config(
     dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
     k_box = _fit(bwd["dkdv"][0], shape)
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
-    return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], fwd.bucket)
+    return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], fwd.bucket,
+                          bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"))

@@ -14,9 +14,10 @@ Definitions follow NATTEN (``natten/backends/flex.py``), per dimension of length
   ``K // 2 - 1`` right of the center for even ``K``: the same formula covers it);
 * a 3-D neighborhood is the product of three such 1-D windows.
 
-Dilation and causal masks (NATTEN's definitions) are written here too so that the
-references can state them; the Triton kernels support dilation 1, non-causal only,
-and the public API says so before anything runs.
+Causal axes (NATTEN's definition: the ``K`` positions ending at the query, clipped
+at 0) and dilation are written here too. The Triton kernels implement dilation 1,
+causal or not per axis; the public API composes dilation from dilation-1 calls on
+strided views of each dilation group.
 """
 
 from __future__ import annotations
@@ -72,17 +73,20 @@ def window_bounds(
     return group + first * d, group + last * d
 
 
-def union_of_windows(first: int, last: int, length: int, kernel_size: int) -> Tuple[int, int]:
+def union_of_windows(first: int, last: int, length: int, kernel_size: int,
+                     is_causal: bool = False) -> Tuple[int, int]:
     """``[start, stop)`` covering the windows of queries ``first..last`` (inclusive).
 
-    Window starts never decrease with the query index, so the union of the windows
-    of a contiguous run of queries is itself contiguous (dilation 1, non-causal).
+    Both ends of a window never decrease with the query index (dilation 1, causal or
+    not), so the union of the windows of a contiguous run of queries is itself
+    contiguous: from the first query's start to the last query's stop.
     """
-    return (window_start(first, length, kernel_size),
-            window_start(last, length, kernel_size) + kernel_size)
+    return (window_bounds(first, length, kernel_size, 1, is_causal)[0],
+            window_bounds(last, length, kernel_size, 1, is_causal)[1])
 
 
-def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int) -> Tuple[int, int]:
+def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int,
+                   is_causal: bool = False) -> Tuple[int, int]:
     """``[first, stop)``: the queries whose windows contain a key of ``first_key..last_key``.
 
     The dual of :func:`union_of_windows`, used by the backward pass for dK/dV: query
@@ -91,7 +95,12 @@ def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int)
     ``s(i) = clamp(i - h, 0, L - K)``: the first is 0 if ``first_key < K`` and
     ``first_key - K + 1 + h`` otherwise; the last is ``L - 1`` if
     ``last_key >= L - K`` and ``last_key + h`` otherwise.
+
+    Causal: query ``i`` sees ``[max(i - K + 1, 0), i]``, so key ``j`` is seen by
+    queries ``j .. j + K - 1`` (clipped at ``L - 1``).
     """
+    if is_causal:
+        return first_key, min(last_key + kernel_size, length)
     half = kernel_size // 2
     lowest_start = first_key - kernel_size + 1
     first = 0 if lowest_start <= 0 else lowest_start + half

@@ -47,8 +47,11 @@ def na3d_forward(
     need_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     config: Optional[configs.ForwardConfig] = None,
+    is_causal: Sequence[bool] = (False, False, False),
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the forward kernel on validated ``(B, T, H, W, NH, HD)`` inputs.
+
+    ``is_causal`` (per axis T, H, W) selects causal windows along that axis.
 
     ``out`` (optional, any strides with innermost stride 1) receives the result; the
     tests pass a NaN-filled one so that an element the kernel never writes shows.
@@ -73,6 +76,7 @@ def na3d_forward(
         BLOCK_D=max(16, triton_next_power_of_2(HD)),
         Q_T=cfg.q_tile[0], Q_H=cfg.q_tile[1], Q_W=cfg.q_tile[2],
         KV_T=cfg.kv_tile[0], KV_H=cfg.kv_tile[1], KV_W=cfg.kv_tile[2],
+        CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
         STORE_LSE=need_lse,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -97,6 +101,7 @@ def na3d_backward(
     grad_lse: Optional[torch.Tensor] = None,
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     config: Optional[configs.BackwardConfig] = None,
+    is_causal: Sequence[bool] = (False, False, False),
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the forward's ``out`` and natural-log ``lse`` (float32, contiguous).
 
@@ -122,7 +127,7 @@ def na3d_backward(
     delta = torch.empty_like(lse)
     grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]))
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
@@ -132,7 +137,7 @@ def na3d_backward(
         T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
-        HAS_DLSE=grad_lse is not None, **common)
+        HAS_DLSE=grad_lse is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
     na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
@@ -141,7 +146,8 @@ def na3d_backward(
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
-        Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2], **common)
+        Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     return dq, dk, dv
 
 

@@ -75,44 +75,49 @@ def na3d_brute_force(
 # Grouped-SDPA exact reference
 # ----------------------------------------------------------------------------------
 
-def _classes_1d(first: int, stop: int, length: int, kernel_size: int) -> Tuple[Tuple[int, int], ...]:
+def _classes_1d(first: int, stop: int, length: int, kernel_size: int,
+                is_causal: bool = False) -> Tuple[Tuple[int, int], ...]:
     """Split queries ``[first, stop)`` into runs of one window geometry.
 
     Queries whose window is pinned to a border (start 0 or ``L - K``) all see the same
     keys, so each border run needs exactly ``K`` keys however long it is; interior
-    queries each see their own window, their union growing with the run.
+    queries each see their own window, their union growing with the run. Causal
+    axes: the first ``K - 1`` queries (windows clipped at 0) and the rest.
     """
+    if is_causal:
+        cuts = sorted({first, stop, min(max(kernel_size - 1, first), stop)})
+        return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
     half = kernel_size // 2
     cuts = sorted({first, stop, min(max(half + 1, first), stop),
                    min(max(length - kernel_size + half, first), stop)})
     return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
 
 
-def _runs_1d(classes, extent: int, length: int, kernel_size: int):
+def _runs_1d(classes, extent: int, length: int, kernel_size: int, is_causal: bool = False):
     """Runs of at most ``extent`` queries inside each class, grouped by geometry.
 
     Returns ``{geometry: [(first, stop, union_start, union_stop), ...]}`` where the
-    geometry (window starts relative to the union start, and the union length) is
+    geometry (window bounds relative to the union start, and the union length) is
     what a box's mask depends on along this dimension.
     """
     groups: Dict[tuple, list] = {}
     for lo, hi in classes:
         for a in range(lo, hi, extent):
             b = min(a + extent, hi)
-            starts = [geometry.window_start(i, length, kernel_size) for i in range(a, b)]
-            u0, u1 = starts[0], starts[-1] + kernel_size
-            geo = tuple(x - u0 for x in starts) + (u1 - u0,)
+            bounds = [geometry.window_bounds(i, length, kernel_size, 1, is_causal) for i in range(a, b)]
+            u0, u1 = bounds[0][0], bounds[-1][1]
+            geo = tuple((s - u0, e - u0) for s, e in bounds) + (u1 - u0,)
             groups.setdefault(geo, []).append((a, b, u0, u1))
     return groups
 
 
 @functools.lru_cache(maxsize=4096)
-def _max_union_1d(lo: int, hi: int, extent: int, length: int, kernel_size: int) -> int:
+def _max_union_1d(lo: int, hi: int, extent: int, length: int, kernel_size: int, is_causal: bool) -> int:
     """Largest union-of-windows length over the runs of ``extent`` queries tiling [lo, hi)."""
     best = 0
     for first in range(lo, hi, extent):
         last = min(first + extent, hi) - 1
-        start, stop = geometry.union_of_windows(first, last, length, kernel_size)
+        start, stop = geometry.union_of_windows(first, last, length, kernel_size, is_causal)
         best = max(best, stop - start)
     return best
 
@@ -140,6 +145,7 @@ def _plan_tiles(
     elt: int,
     memory_budget: int,
     on_gpu: bool,
+    is_causal: Tuple[bool, bool, bool] = (False, False, False),
 ) -> Tuple[Triple, int, int]:
     """Pick query-box extents (t, h, w) and a (batch, head) chunk under the budget.
 
@@ -161,8 +167,8 @@ def _plan_tiles(
         best = None
         for ext in itertools.product(*options):
             unions = [
-                max(_max_union_1d(a, b, e, L, K) for a, b in cls)
-                for cls, e, L, K in zip(classes, ext, shape, kernel_size)
+                max(_max_union_1d(a, b, e, L, K, c) for a, b in cls)
+                for cls, e, L, K, c in zip(classes, ext, shape, kernel_size, is_causal)
             ]
             nq, nk = math.prod(ext), math.prod(unions)
             if _box_bytes(nq, nk, bsz * hsz, head_dim, elt) > memory_budget:
@@ -181,17 +187,17 @@ def _plan_tiles(
     )
 
 
-def _box_mask(runs, shape: Triple, kernel_size: Triple, device: torch.device) -> torch.Tensor:
+def _box_mask(runs, shape: Triple, kernel_size: Triple, is_causal, device: torch.device) -> torch.Tensor:
     """Boolean ``[nq, nk]`` mask of a box: the product of its three 1-D band masks.
 
     Built from device-side aranges (no host-to-device copies, hence no sync).
     """
     full = None
     sizes_q, sizes_k = [], []
-    for d, ((a, b, u0, u1), L, K) in enumerate(zip(runs, shape, kernel_size)):
-        starts = geometry.window_start(torch.arange(a, b, device=device), L, K)
+    for d, ((a, b, u0, u1), L, K, c) in enumerate(zip(runs, shape, kernel_size, is_causal)):
+        starts, stops = geometry.window_bounds(torch.arange(a, b, device=device), L, K, 1, c)
         key = torch.arange(u0, u1, device=device)
-        m = (key[None, :] >= starts[:, None]) & (key[None, :] < starts[:, None] + K)
+        m = (key[None, :] >= starts[:, None]) & (key[None, :] < stops[:, None])
         view = [1] * 6
         view[d], view[3 + d] = b - a, u1 - u0
         full = m.reshape(view) if full is None else full & m.reshape(view)
@@ -209,6 +215,7 @@ def na3d_sdpa_exact(
     w_offset: int = 0,
     memory_budget: int = 1 << 30,
     return_lse: bool = False,
+    is_causal: Sequence[bool] = (False, False, False),
 ):
     """Exact neighborhood attention from grouped ``F.scaled_dot_product_attention`` calls.
 
@@ -219,6 +226,7 @@ def na3d_sdpa_exact(
 
     ``return_lse=True`` also returns the natural-log log-sum-exp ``(B, T, H, Wq, NH)``
     in float32 (from the box's masked scores, computed once more for it).
+    ``is_causal`` (per axis T, H, W) selects causal windows along that axis.
 
     Memory: the temporaries of any single step (box copies, one mask, attention
     intermediates; see ``_box_bytes``) stay under ``memory_budget`` bytes, on top of
@@ -233,11 +241,12 @@ def na3d_sdpa_exact(
     scale = HD ** -0.5 if scale is None else scale
     shape = (T, H, W)
     kernel_size = tuple(int(x) for x in kernel_size)
+    is_causal = tuple(bool(c) for c in is_causal)
     q_ranges = [(0, T), (0, H), (w_offset, w_offset + Wq)]
-    classes = tuple(_classes_1d(a, b, L, K) for (a, b), L, K in zip(q_ranges, shape, kernel_size))
+    classes = tuple(_classes_1d(a, b, L, K, c) for (a, b), L, K, c in zip(q_ranges, shape, kernel_size, is_causal))
     ext, bsz, hsz = _plan_tiles(classes, shape, kernel_size, B, NH, HD, q.element_size(),
-                                memory_budget, q.is_cuda)
-    per_dim = [_runs_1d(c, e, L, K) for c, e, L, K in zip(classes, ext, shape, kernel_size)]
+                                memory_budget, q.is_cuda, is_causal)
+    per_dim = [_runs_1d(cl, e, L, K, c) for cl, e, L, K, c in zip(classes, ext, shape, kernel_size, is_causal)]
 
     # Without autograd, boxes are written into the output in place. With it, they are
     # kept and joined by one torch.cat per dimension: in-place slice writes would make
@@ -248,7 +257,7 @@ def na3d_sdpa_exact(
     pieces: Dict[tuple, torch.Tensor] = {}
     lse_pieces: Dict[tuple, torch.Tensor] = {}
     for groups in itertools.product(*(g.values() for g in per_dim)):
-        mask = _box_mask([runs[0] for runs in groups], shape, kernel_size, q.device)
+        mask = _box_mask([runs[0] for runs in groups], shape, kernel_size, is_causal, q.device)
         for box in itertools.product(*groups):
             (t0, t1, ut0, ut1), (h0, h1, uh0, uh1), (w0, w1, uw0, uw1) = box
             qw0, qw1 = w0 - w_offset, w1 - w_offset

@@ -16,7 +16,7 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import queries_seeing, window_start
+from .common import box_of_program, queries_seeing, scan_position, seen_by, sees, union_of_windows
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -38,6 +38,7 @@ def na3d_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
@@ -48,33 +49,16 @@ def na3d_bwd_dq_kernel(
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
-    tile = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     heads = tl.num_programs(1)
-    t0 = (tile // (tiles_w * tiles_h)) * Q_T
-    h0 = ((tile // tiles_w) % tiles_h) * Q_H
-    w0 = (tile % tiles_w) * Q_W
-
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
-    r = tl.arange(0, BLOCK_Q)
-    qt = t0 + r // (Q_H * Q_W)
-    qh = h0 + (r // Q_W) % Q_H
-    qw = w0 + r % Q_W
-    q_valid = (qt < T) & (qh < H) & (qw < W)
-    qt = tl.minimum(qt, T - 1)
-    qh = tl.minimum(qh, H - 1)
-    qw = tl.minimum(qw, W - 1)
-    st = window_start(qt, T, KT)
-    sh = window_start(qh, H, KH)
-    sw = window_start(qw, W, KW)
-    ut0 = window_start(t0, T, KT)
-    uh0 = window_start(h0, H, KH)
-    uw0 = window_start(w0, W, KW)
-    ut1 = window_start(tl.minimum(t0 + Q_T, T) - 1, T, KT) + KT
-    uh1 = window_start(tl.minimum(h0 + Q_H, H) - 1, H, KH) + KH
-    uw1 = window_start(tl.minimum(w0 + Q_W, W) - 1, W, KW) + KW
+    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
+                                                     Q_T, Q_H, Q_W)
+    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, CAUSAL_T)
+    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, CAUSAL_H)
+    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, CAUSAL_W)
     steps_h = tl.cdiv(uh1 - uh0, KV_H)
     steps_w = tl.cdiv(uw1 - uw0, KV_W)
     n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
@@ -102,15 +86,10 @@ def na3d_bwd_dq_kernel(
 
     k_base = K + bh * stride_kb + hd * stride_kn
     v_base = V + bh * stride_vb + hd * stride_vn
-    c = tl.arange(0, BLOCK_KV)
-    ct = c // (KV_H * KV_W)
-    ch = (c // KV_W) % KV_H
-    cw = c % KV_W
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for step in range(n_steps):
-        kt = ut0 + (step // (steps_h * steps_w)) * KV_T + ct
-        kh = uh0 + ((step // steps_w) % steps_h) * KV_H + ch
-        kw = uw0 + (step % steps_w) * KV_W + cw
+        kt, kh, kw = scan_position(step, steps_h, steps_w, ut0, uh0, uw0, KV_T, KV_H, KV_W)
+        # Keys past the union repeat its last position and are masked (as forward).
         pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
         ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
         pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
@@ -118,9 +97,7 @@ def na3d_bwd_dq_kernel(
                     mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
                     mask=d_ok[None, :], other=0.0)
-        visible = ((kt[None, :] >= st[:, None]) & (kt[None, :] < st[:, None] + KT)
-                   & (kh[None, :] >= sh[:, None]) & (kh[None, :] < sh[:, None] + KH)
-                   & (kw[None, :] >= sw[:, None]) & (kw[None, :] < sw[:, None] + KW))
+        visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, CAUSAL_T, CAUSAL_H, CAUSAL_W)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -149,6 +126,7 @@ def na3d_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -157,27 +135,16 @@ def na3d_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
-    tile = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     heads = tl.num_programs(1)
-    t0 = (tile // (tiles_w * tiles_h)) * K_T
-    h0 = ((tile // tiles_w) % tiles_h) * K_H
-    w0 = (tile % tiles_w) * K_W
-
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored row depends on them.
-    c = tl.arange(0, BLOCK_N)
-    kt = t0 + c // (K_H * K_W)
-    kh = h0 + (c // K_W) % K_H
-    kw = w0 + c % K_W
-    k_valid = (kt < T) & (kh < H) & (kw < W)
-    kt = tl.minimum(kt, T - 1)
-    kh = tl.minimum(kh, H - 1)
-    kw = tl.minimum(kw, W - 1)
-    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT)
-    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH)
-    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW)
+    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
+                                                     K_T, K_H, K_W)
+    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, CAUSAL_T)
+    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, CAUSAL_H)
+    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, CAUSAL_W)
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
@@ -196,16 +163,10 @@ def na3d_bwd_dkdv_kernel(
 
     q_base = Q + bh * stride_qb + hd * stride_qn
     do_base = DO + bh * stride_dob + hd * stride_don
-    r = tl.arange(0, BLOCK_M)
-    rt = r // (Q_H * Q_W)
-    rh = (r // Q_W) % Q_H
-    rw = r % Q_W
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for step in range(n_steps):
-        qt = qt0 + (step // (steps_h * steps_w)) * Q_T + rt
-        qh = qh0 + ((step // steps_w) % steps_h) * Q_H + rh
-        qw = qw0 + (step % steps_w) * Q_W + rw
+        qt, qh, qw = scan_position(step, steps_h, steps_w, qt0, qh0, qw0, Q_T, Q_H, Q_W)
         # Queries past the range repeat its last one; they are masked out (a
         # duplicate would count twice).
         q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
@@ -220,13 +181,8 @@ def na3d_bwd_dkdv_kernel(
         rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
         lse2 = tl.load(LSE + rows) * LOG2_E
         delta = tl.load(DELTA + rows)
-        st = window_start(qt, T, KT)
-        sh = window_start(qh, H, KH)
-        sw = window_start(qw, W, KW)
-        visible = (q_in[None, :]
-                   & (kt[:, None] >= st[None, :]) & (kt[:, None] < st[None, :] + KT)
-                   & (kh[:, None] >= sh[None, :]) & (kh[:, None] < sh[None, :] + KH)
-                   & (kw[:, None] >= sw[None, :]) & (kw[:, None] < sw[None, :] + KW))
+        visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW,
+                                          CAUSAL_T, CAUSAL_H, CAUSAL_W)
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")

@@ -1,4 +1,10 @@
-"""Device-side helpers shared by the Triton kernels."""
+"""Device-side helpers shared by the Triton kernels.
+
+They are the kernels' copies of ``na3d.geometry`` (kept in step with it by
+``tests/test_geometry.py``) plus the box bookkeeping every kernel starts with.
+A ``CAUSAL`` flag is a compile-time constant: a causal axis costs nothing on the
+others, and the non-causal code is unchanged by it.
+"""
 
 import triton
 import triton.language as tl
@@ -6,18 +12,105 @@ import triton.language as tl
 
 @triton.jit
 def window_start(index, length, kernel_size):
-    """Device copy of ``na3d.geometry.window_start``: ``clamp(i - K // 2, 0, L - K)``.
-
-    Kept in step with the Python definition by ``tests/test_geometry.py``.
-    """
+    """``na3d.geometry.window_start``: ``clamp(i - K // 2, 0, L - K)``."""
     return tl.minimum(tl.maximum(index - kernel_size // 2, 0), length - kernel_size)
 
 
 @triton.jit
-def queries_seeing(first_key, last_key, length, kernel_size):
-    """Device copy of ``na3d.geometry.queries_seeing``: the ``[first, stop)`` queries
-    whose windows contain a key of ``first_key..last_key``."""
-    lowest_start = first_key - kernel_size + 1
-    first = tl.where(lowest_start <= 0, 0, lowest_start + kernel_size // 2)
-    stop = tl.where(last_key >= length - kernel_size, length, last_key + kernel_size // 2 + 1)
+def window_bounds(index, length, kernel_size, CAUSAL: tl.constexpr):
+    """``na3d.geometry.window_bounds`` at dilation 1: the keys ``[start, stop)`` that
+    query ``index`` sees. Causal: the ``K`` positions ending at the query, clipped at 0."""
+    if CAUSAL:
+        start = tl.maximum(index - kernel_size + 1, 0)
+        stop = index + 1
+    else:
+        start = window_start(index, length, kernel_size)
+        stop = start + kernel_size
+    return start, stop
+
+
+@triton.jit
+def union_of_windows(first, last, length, kernel_size, CAUSAL: tl.constexpr):
+    """``na3d.geometry.union_of_windows``: ``[start, stop)`` covering the windows of
+    queries ``first..last``. Both window ends never decrease with the query index."""
+    start, _ = window_bounds(first, length, kernel_size, CAUSAL)
+    _, stop = window_bounds(last, length, kernel_size, CAUSAL)
+    return start, stop
+
+
+@triton.jit
+def queries_seeing(first_key, last_key, length, kernel_size, CAUSAL: tl.constexpr):
+    """``na3d.geometry.queries_seeing``: the ``[first, stop)`` queries whose windows
+    contain a key of ``first_key..last_key``."""
+    if CAUSAL:
+        first = first_key
+        stop = tl.minimum(last_key + kernel_size, length)
+    else:
+        lowest_start = first_key - kernel_size + 1
+        first = tl.where(lowest_start <= 0, 0, lowest_start + kernel_size // 2)
+        stop = tl.where(last_key >= length - kernel_size, length, last_key + kernel_size // 2 + 1)
     return first, stop
+
+
+@triton.jit
+def box_of_program(tile, tiles_h, tiles_w, T, H, W,
+                   BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
+    """The BOX_T x BOX_H x BOX_W box of grid positions that program ``tile`` owns
+    (tiles numbered row-major over the grid).
+
+    Returns the box's first corner ``(t0, h0, w0)``, the coordinates of its
+    positions (row-major inside the box) and which of them lie inside the grid.
+    Positions past the grid's end are replaced by the last one along that axis:
+    loads through them stay in bounds and their windows are non-empty; the caller
+    stores nothing for them.
+    """
+    t0 = (tile // (tiles_w * tiles_h)) * BOX_T
+    h0 = ((tile // tiles_w) % tiles_h) * BOX_H
+    w0 = (tile % tiles_w) * BOX_W
+    r = tl.arange(0, BOX_T * BOX_H * BOX_W)
+    t = t0 + r // (BOX_H * BOX_W)
+    h = h0 + (r // BOX_W) % BOX_H
+    w = w0 + r % BOX_W
+    inside = (t < T) & (h < H) & (w < W)
+    return t0, h0, w0, tl.minimum(t, T - 1), tl.minimum(h, H - 1), tl.minimum(w, W - 1), inside
+
+
+@triton.jit
+def scan_position(step, steps_h, steps_w, start_t, start_h, start_w,
+                  BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
+    """Coordinates of the ``step``-th box when a range starting at ``start`` per axis
+    is scanned in BOX_T x BOX_H x BOX_W boxes (row-major over boxes and inside a box),
+    ``steps_h`` x ``steps_w`` boxes per (t) slab.
+
+    The last box along an axis may run past the range: the caller clamps the
+    coordinates for its loads and masks the extra positions.
+    """
+    c = tl.arange(0, BOX_T * BOX_H * BOX_W)
+    t = start_t + (step // (steps_h * steps_w)) * BOX_T + c // (BOX_H * BOX_W)
+    h = start_h + ((step // steps_w) % steps_h) * BOX_H + (c // BOX_W) % BOX_H
+    w = start_w + (step % steps_w) * BOX_W + c % BOX_W
+    return t, h, w
+
+
+@triton.jit
+def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW,
+         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr):
+    """Boolean [queries, keys] matrix: query (qt, qh, qw)[i] sees key (kt, kh, kw)[j]."""
+    st, et = window_bounds(qt, T, KT, CAUSAL_T)
+    sh, eh = window_bounds(qh, H, KH, CAUSAL_H)
+    sw, ew = window_bounds(qw, W, KW, CAUSAL_W)
+    return ((kt[None, :] >= st[:, None]) & (kt[None, :] < et[:, None])
+            & (kh[None, :] >= sh[:, None]) & (kh[None, :] < eh[:, None])
+            & (kw[None, :] >= sw[:, None]) & (kw[None, :] < ew[:, None]))
+
+
+@triton.jit
+def seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW,
+            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr):
+    """The transpose of :func:`sees`, built directly: [keys, queries]."""
+    st, et = window_bounds(qt, T, KT, CAUSAL_T)
+    sh, eh = window_bounds(qh, H, KH, CAUSAL_H)
+    sw, ew = window_bounds(qw, W, KW, CAUSAL_W)
+    return ((kt[:, None] >= st[None, :]) & (kt[:, None] < et[None, :])
+            & (kh[:, None] >= sh[None, :]) & (kh[:, None] < eh[None, :])
+            & (kw[:, None] >= sw[None, :]) & (kw[:, None] < ew[None, :]))
