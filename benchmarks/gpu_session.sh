@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: tune (optional), benchmark, GPU tests. Logs and results go to $OUT.
-#   bash benchmarks/gpu_session.sh [tune] [bench] [test] [bench-args...]
+#   bash benchmarks/gpu_session.sh [wheels] [tune] [bench] [test] [decoder]
+# (env: NA3D_COMMIT, TUNE_ARGS, BENCH_ARGS, TEST_ARGS, DECODER_ARGS, and *_S time limits)
 # Each step has its own time limit so one slow step cannot starve the others.
 set -u
 OUT=${OUT:-/tmp/na3d-out}
@@ -10,9 +11,15 @@ COMMIT=${NA3D_COMMIT:-unknown}
 steps=" $* "
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+if [[ -d .whl && $steps == *" wheels "* ]]; then
+  # Optional packages the GPU image lacks (diffusers), carried as wheels: only the missing ones install.
+  echo "=== wheels"; pip install -q --no-index --find-links .whl diffusers==0.42.1 2>&1 | tail -2 \
+    || pip install -q --user --no-index --find-links .whl diffusers==0.42.1 2>&1 | tail -2
+  python3 -c "import diffusers; print('diffusers', diffusers.__version__)"
+fi
 if [[ $steps == *" tune "* ]]; then
-  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tune --write --log "$OUT/tune.json" > "$OUT/tune.log" 2>&1
-  echo "tune rc=$?"; grep -E "bucket|WRONG|failed" "$OUT/tune.log" | tail -20
+  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tune --write --log "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
+  echo "tune rc=$?"; grep -E "bucket|WRONG|failed|budget" "$OUT/tune.log" | tail -30
   cp src/na3d/configs/sm90.json "$OUT/sm90.json"
 fi
 if [[ $steps == *" bench "* ]]; then

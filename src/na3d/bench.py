@@ -324,6 +324,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-forward", action="store_true", help="skip the forward rows")
     parser.add_argument("--decoder", action="store_true",
                         help="also decode with the full-size LTX-2.5 decoder (needs diffusers; row ltx-decoder)")
+    parser.add_argument("--no-shapes", action="store_true", help="no shape rows (e.g. --decoder alone)")
+    parser.add_argument("--merge", default=None, metavar="RESULTS_JSON",
+                        help="start from this results file (same commit required): rows measured now replace "
+                             "its rows of the same name and pass, the others are kept")
 
     args = parser.parse_args(argv)
 
@@ -338,6 +342,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if unknown:
             parser.error(f"unknown shapes {sorted(unknown)}; known: {[s['name'] for s in specs]}")
         specs = [s for s in specs if s["name"] in args.shapes]
+    if args.no_shapes:
+        specs = []
+    commit = args.commit or git_commit()
+    kept = []
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        if earlier.get("commit") != commit:
+            parser.error(f"--merge {args.merge}: its rows are from commit {earlier.get('commit')}, this run is {commit}")
+        kept = earlier["rows"]
     methods = ["na3d"] + ([] if args.no_reference else ["sdpa_exact"]) + ([] if args.no_flex else ["flex"])
     timer = Timer(device)
     log(f"device: {name}; torch {torch.__version__}; measuring ceilings")
@@ -358,12 +372,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = decoder_row(device)
         print_row(row)
         rows.append(row)
+    measured = {(r["name"], r["pass"]) for r in rows}
+    rows = [r for r in kept if (r["name"], r["pass"]) not in measured] + rows
     print_table([r for r in rows if r["pass"] in ("fwd", "bwd")])
     if args.no_write:
         return 0
     import triton
     result = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "commit": args.commit or git_commit(),
+              "python": platform.python_version(), "commit": commit,
               "date": datetime.date.today().isoformat(), "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out_dir, exist_ok=True)
     slug = device_slug(name)

@@ -178,9 +178,19 @@ def backward_config(
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
                               max(1, fwd.num_stages - 1), fwd.bucket)
+    return fit_backward(bwd, shape, kernel_size, fwd.bucket)
+
+
+def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "explicit") -> BackwardConfig:
+    """A table's ``backward`` entry, its tiles fitted to ``shape`` (see :func:`_fit`).
+
+    ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
+    "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
+    ``"dkdv_num_stages"``.
+    """
     dq_q = _fit(bwd["dq"][0], shape)
     dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
     k_box = _fit(bwd["dkdv"][0], shape)
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
-    return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], fwd.bucket,
+    return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"))

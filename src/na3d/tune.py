@@ -1,13 +1,20 @@
-"""Offline tuning: measure candidate forward configs and rewrite an arch's JSON table.
+"""Offline tuning: measure candidate configs and rewrite an arch's JSON table.
 
-    python -m na3d.tune                       # all benchmark shapes, print the table
+    python -m na3d.tune                       # forward, all benchmark shapes, print the table
     python -m na3d.tune --write               # ... and rewrite configs/<arch>.json
+    python -m na3d.tune --backward --write    # also the backward kernels' tiles
+    python -m na3d.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
 
 Candidates per shape are the tile pairs that issue the fewest QK^T products
 (``geometry.issued_flops_ratio``), each with a few warp/stage settings. Every
-candidate is first checked against the exact reference (output poisoned with NaN
-before the launch); only a correct candidate is timed. For each bucket of the
-table, the config with the best geometric-mean slowdown over its shapes wins.
+candidate is first checked (outputs poisoned with NaN before the launch): the
+forward against the exact reference, the backward against the float32 kernels'
+gradients (themselves tested against the float64 oracle), with a tolerance of
+twice the error of the table's current bf16 config plus a rounding band. Only a
+correct candidate is timed. For each bucket of the table, the config with the
+best geometric-mean slowdown over its shapes wins. The backward is tuned in two
+steps: dQ tiles with the dK/dV tiles fixed, then dK/dV with the chosen dQ.
+The table is rewritten after every bucket, so a time limit loses nothing done.
 Nothing here runs at call time: the library only reads the JSON.
 """
 
@@ -33,7 +40,7 @@ POW2 = (1, 2, 4, 8, 16, 32, 64)
 
 def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     T, H, W = shape
-    q_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (64, 128)
+    q_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64, 128)
                and all(x <= max(1, 2 * L) for x, L in zip(t, shape))]
     kv_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64, 128)]
     scored = []
@@ -56,26 +63,47 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
                 break
         return picked
 
-    # The fewest issued products overall, and the best of the two other families the
-    # model cannot rank against them: 128-query boxes (half the K/V traffic per query)
-    # and 32-key boxes (less padding at the union's edges).
+    # The fewest issued products overall (small boxes win that count), and the best
+    # of the families the model cannot rank against them: 64- and 128-query boxes
+    # (less K/V traffic per query, fuller tensor-core tiles) and 32-key boxes (less
+    # padding at the union's edges).
     picked = best(top, lambda qt, kt: True)
+    picked += best(2, lambda qt, kt: math.prod(qt) == 64)
     picked += best(2, lambda qt, kt: math.prod(qt) == 128)
     picked += best(2, lambda qt, kt: math.prod(kt) == 32)
     return list(dict.fromkeys(picked))
 
 
-def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, device) -> Dict[str, float]:
-    """Time each candidate on one shape after checking it against the exact reference."""
-    name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
-    HD = shape[-1]
+class Budget:
+    """Wall-clock budget for trying candidates; the current table's config is always tried."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def spent(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+
+def _inputs(spec: dict, device):
+    shape = tuple(spec["shape"])
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=device) for _ in range(3))
+    return [torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=device) for _ in range(4)]
+
+
+def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, device,
+            budget: Budget) -> Dict[str, float]:
+    """Time each forward candidate on one shape after checking it against the exact reference."""
+    name, ks = spec["name"], tuple(spec["kernel_size"])
+    q, k, v, _ = _inputs(spec, device)
+    HD = q.shape[-1]
     oracle = na3d_sdpa_exact(q.float(), k.float(), v.float(), ks)
     ref_err = (na3d_sdpa_exact(q, k, v, ks).float() - oracle).abs().max().item()
     tol = 2 * ref_err + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, oracle.abs().max().item())
     times = {}
-    for cfg in candidates:
+    for i, cfg in enumerate(candidates):
+        if i > 0 and budget.spent():
+            log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
+            break
         key = config_key(cfg)
         out = torch.full_like(q, float("nan"))
         t0 = time.perf_counter()
@@ -96,16 +124,190 @@ def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, d
     return times
 
 
+def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], current: configs.BackwardConfig,
+                     timer: Timer, device, budget: Budget, fit=None, fit_spec=None) -> Dict[str, float]:
+    """Time each backward candidate (both kernels) on one shape after checking its gradients.
+
+    Results are keyed by the candidate as given; it runs fitted to the shape when
+    ``fit`` is given (``fit(dq, dkdv, spec)``, as the table's lookup will fit it).
+    """
+    name, ks = spec["name"], tuple(spec["kernel_size"])
+    q, k, v, grad_out = _inputs(spec, device)
+    scale = q.shape[-1] ** -0.5
+    # Oracle: the float32 kernels (IEEE products), fed the same bf16 values.
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, grad_out))
+    out32, lse32 = launch.na3d_forward(q32, k32, v32, ks, scale, need_lse=True)
+    oracle = launch.na3d_backward(do32, q32, k32, v32, out32, lse32, ks, scale)
+    del q32, k32, v32, do32, out32, lse32
+    out, lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True)
+
+    def errors(cfg):
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        launch.na3d_backward(grad_out, q, k, v, out, lse, ks, scale, grads=grads, config=cfg)
+        return [(g.float() - o).abs().max().item() for g, o in zip(grads, oracle)]
+
+    base = errors(current)
+    tol = [2 * e + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, o.abs().max().item()) for e, o in zip(base, oracle)]
+    times = {}
+    for i, cfg in enumerate(candidates):
+        if i > 0 and budget.spent():
+            log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
+            break
+        key = backward_key(cfg)
+        if fit is not None:
+            cfg = fit((cfg.dq_q_tile, cfg.dq_kv_tile, cfg.num_warps, cfg.num_stages),
+                      (cfg.dkdv_k_tile, cfg.dkdv_q_tile, cfg.dkdv_warps, cfg.dkdv_stages), fit_spec)
+        t0 = time.perf_counter()
+        try:
+            errs = errors(cfg)
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            log(f"{name} bwd {key}: failed to run: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        if not all(e <= t for e, t in zip(errs, tol)):
+            log(f"{name} bwd {key}: WRONG, max abs errors {errs} > {tol}")
+            times[key] = float("inf")
+            continue
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        times[key] = timer(lambda: launch.na3d_backward(grad_out, q, k, v, out, lse, ks, scale, grads=grads,
+                                                        config=cfg), min_runs=5, target_ms=100)
+        log(f"{name} bwd {key}: {times[key]:.4f} ms (errs {[f'{e:.1e}' for e in errs]}, "
+            f"first call {time.perf_counter() - t0:.1f}s)")
+    return times
+
+
 def config_key(cfg: configs.ForwardConfig) -> str:
     return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages])
+
+
+def backward_key(cfg: configs.BackwardConfig) -> str:
+    return json.dumps({"dq": [list(cfg.dq_q_tile), list(cfg.dq_kv_tile)],
+                       "dkdv": [list(cfg.dkdv_k_tile), list(cfg.dkdv_q_tile)],
+                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                       "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages})
+
+
+def choose(results: Dict[str, Dict[str, float]], names: List[str]) -> Tuple[str, float, Dict[str, float]]:
+    """The key with the best geometric-mean slowdown over ``names`` (keys all of them measured)."""
+    keys = set.intersection(*(set(results[m]) for m in names))
+    best = {m: min(results[m].values()) for m in names}
+
+    def slowdown(key):
+        return math.exp(sum(math.log(results[m][key] / best[m]) for m in names) / len(names))
+
+    choice = min(keys, key=slowdown)
+    return choice, slowdown(choice), best
+
+
+def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) -> Dict[str, Dict[str, float]]:
+    launches = [tuple(int(x) for x in s.split(",")) for s in args.launch]
+    # Every member is measured with every candidate of the bucket, so the choice
+    # compares like with like. The table's current config goes first.
+    current = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]))
+    tiles = set()
+    for s in members:
+        tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
+    tiles.discard(current)
+    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate")]
+    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate")
+                   for qt, kt in sorted(tiles) for w, st in launches
+                   if w == 4 or math.prod(qt) == 128]
+    log(f"bucket {entry['bucket']} forward: {len(candidates)} candidates on {[s['name'] for s in members]}")
+    results = {}
+    for s in members:
+        results[s["name"]] = measure(s, candidates, timer, device, budget)
+        torch.cuda.empty_cache()
+    names = [s["name"] for s in members]
+    choice, slow, best = choose(results, names)
+    qt, kt, warps, stages = json.loads(choice)
+    entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages)
+    entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
+    log(f"bucket {entry['bucket']} forward: {choice} (geomean slowdown {slow:.3f})")
+    return results
+
+
+def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, device,
+                  budget) -> Dict[str, Dict[str, float]]:
+    """Two steps on the bucket's shapes: dQ tiles (dK/dV fixed), then dK/dV tiles."""
+    names = [s["name"] for s in members]
+    launches = [(4, 1), (4, 2), (8, 1)]
+
+    def current_for(spec):
+        shape = tuple(spec["shape"])
+        return configs.backward_config(arch, shape[1:4], tuple(spec["kernel_size"]), shape[-1], torch.bfloat16)
+
+    configs.load_table.cache_clear()
+    configs.forward_config.cache_clear()
+    configs.backward_config.cache_clear()
+    pairs = set()
+    for s in members:
+        pairs.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
+    pairs = sorted(pairs)
+    # The table's current backward, as it states it (unfitted; each shape fits it).
+    bwd = entry.get("backward")
+    if bwd is None:  # derived from the forward's tiles (configs.backward_config)
+        stages = max(1, entry["num_stages"] - 1)
+        dq_now = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], stages)
+        dkdv_now = dq_now
+    else:
+        dq_now = (tuple(bwd["dq"][0]), tuple(bwd["dq"][1]), bwd["num_warps"], bwd["num_stages"])
+        dkdv_now = (tuple(bwd["dkdv"][0]), tuple(bwd["dkdv"][1]), bwd.get("dkdv_num_warps", bwd["num_warps"]),
+                    bwd.get("dkdv_num_stages", bwd["num_stages"]))
+
+    def as_config(dq, dkdv, spec=None):
+        """A candidate as a config: as the table will state it, or fitted to ``spec``'s shape."""
+        entry_form = {"dq": [list(dq[0]), list(dq[1])], "dkdv": [list(dkdv[0]), list(dkdv[1])],
+                      "num_warps": dq[2], "num_stages": dq[3], "dkdv_num_warps": dkdv[2], "dkdv_num_stages": dkdv[3]}
+        if spec is None:
+            return configs.BackwardConfig(dq[0], dq[1], dkdv[0], dkdv[1], dq[2], dq[3], "candidate", dkdv[2], dkdv[3])
+        return configs.fit_backward(entry_form, tuple(spec["shape"][1:4]), tuple(spec["kernel_size"]), "candidate")
+
+    results: Dict[str, Dict[str, float]] = {}
+    dq_options = [dq_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
+                             if (w == 4 or math.prod(a) == 128) and (a, b, w, st) != dq_now]
+    log(f"bucket {entry['bucket']} backward dQ: {len(dq_options)} candidates on {names}")
+    step1 = {}
+    for s in members:
+        cands = [as_config(dq, dkdv_now) for dq in dq_options]
+        step1[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
+        torch.cuda.empty_cache()
+    choice, slow, _ = choose(step1, names)
+    picked = json.loads(choice)
+    dq_best = (tuple(picked["dq"][0]), tuple(picked["dq"][1]), picked["num_warps"], picked["num_stages"])
+    log(f"bucket {entry['bucket']} backward dQ: {choice} (geomean slowdown {slow:.3f})")
+
+    dkdv_options = [dkdv_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
+                                 if (w == 4 or math.prod(a) == 128) and (a, b, w, st) != dkdv_now]
+    log(f"bucket {entry['bucket']} backward dK/dV: {len(dkdv_options)} candidates on {names}")
+    step2 = {}
+    for s in members:
+        cands = [as_config(dq_best, dkdv) for dkdv in dkdv_options]
+        step2[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
+        torch.cuda.empty_cache()
+    choice, slow, best = choose(step2, names)
+    picked = json.loads(choice)
+    before = backward_key(as_config(dq_now, dkdv_now))
+    entry["backward"] = dict(picked, measured={
+        m: {"ms": round(step2[m][choice], 4), "best_ms": round(best[m], 4),
+            "before_ms": round(step1[m].get(before, float("nan")), 4)} for m in names})
+    log(f"bucket {entry['bucket']} backward: {choice} (geomean slowdown {slow:.3f})")
+    for m in names:
+        results[m + "/dq"] = step1[m]
+        results[m + "/dkdv"] = step2[m]
+    return results
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m na3d.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*")
+    parser.add_argument("--buckets", nargs="*", help="only these buckets of the table")
     parser.add_argument("--top", type=int, default=4, help="tile pairs per shape")
     parser.add_argument("--launch", nargs="*", default=["4,2", "4,3", "8,2"],
-                        help="num_warps,num_stages settings to try (8 warps only on 128-query boxes)")
+                        help="forward num_warps,num_stages settings to try (8 warps only on 128-query boxes)")
+    parser.add_argument("--no-forward", action="store_true", help="keep the forward tiles as they are")
+    parser.add_argument("--backward", action="store_true", help="also tune the backward kernels' tiles")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="per bucket and pass (forward, backward): stop trying new candidates after this "
+                             "many seconds and keep the best so far")
     parser.add_argument("--write", action="store_true", help="rewrite the arch's JSON table")
     parser.add_argument("--log", default=None, help="also write every measurement to this JSON file")
     args = parser.parse_args(argv)
@@ -115,9 +317,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cuda")
     arch = configs.device_arch(torch.cuda.current_device())
     specs = [s for s in bench_shapes() if not args.shapes or s["name"] in args.shapes]
-    launches = [tuple(int(x) for x in s.split(",")) for s in args.launch]
     table = configs.load_table(arch)
     buckets = [dict(entry) for entry in table["forward"]]
+    path = os.path.join(os.path.dirname(__file__), "configs", f"{arch}.json")
 
     def bucket_of(spec):
         for i, entry in enumerate(buckets):
@@ -125,47 +327,35 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return i
         return None
 
+    def save():
+        text = json.dumps(dict(table, forward=buckets), indent=1)
+        if args.write:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+            configs.load_table.cache_clear()
+            configs.forward_config.cache_clear()
+            configs.backward_config.cache_clear()
+            log(f"wrote {path}")
+        return text
+
     timer = Timer(device)
     results: Dict[str, Dict[str, float]] = {}
     for i, entry in enumerate(buckets):
         members = [s for s in specs if bucket_of(s) == i]
-        if not members:
+        if not members or (args.buckets and entry["bucket"] not in args.buckets):
             continue
-        # Every member is measured with every candidate of the bucket, so the
-        # choice compares like with like.
-        tiles = {(tuple(entry["q_tile"]), tuple(entry["kv_tile"]))}
-        for s in members:
-            tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
-        candidates = [configs.ForwardConfig(qt, kt, w, st, "candidate")
-                      for qt, kt in sorted(tiles) for w, st in launches
-                      if w == 4 or math.prod(qt) == 128]
-        log(f"bucket {entry['bucket']}: {len(candidates)} candidates on {[s['name'] for s in members]}")
-        for s in members:
-            results[s["name"]] = measure(s, candidates, timer, device)
-            torch.cuda.empty_cache()
-        names = [s["name"] for s in members]
-        keys = set.intersection(*(set(results[m]) for m in names))
-        best = {m: min(results[m].values()) for m in names}
-
-        def slowdown(key):
-            return math.exp(sum(math.log(results[m][key] / best[m]) for m in names) / len(names))
-
-        choice = min(keys, key=slowdown)
-        qt, kt, warps, stages = json.loads(choice)
-        entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages)
-        entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
-        log(f"bucket {entry['bucket']}: {choice} (geomean slowdown {slowdown(choice):.3f})")
-    if args.log:
-        with open(args.log, "w") as f:
-            json.dump({"arch": arch, "results": results}, f, indent=1)
-    table = dict(table, forward=buckets)
-    text = json.dumps(table, indent=1)
-    if args.write:
-        path = os.path.join(os.path.dirname(__file__), "configs", f"{arch}.json")
-        with open(path, "w") as f:
-            f.write(text + "\n")
-        log(f"wrote {path}")
-    else:
+        if not args.no_forward:
+            results.update(tune_forward(entry, members, args, timer, device, Budget(args.budget_s)))
+            save()
+        if args.backward:
+            results.update({f"{k} (bwd)": v for k, v in
+                            tune_backward(entry, members, arch, args, timer, device, Budget(args.budget_s)).items()})
+            save()
+        if args.log:
+            with open(args.log, "w") as f:
+                json.dump({"arch": arch, "results": results}, f, indent=1)
+    text = save()
+    if not args.write:
         log(text)
     return 0
 
