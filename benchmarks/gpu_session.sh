@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 if [[ -d .whl && $steps == *" wheels "* ]]; then
   # Optional packages the GPU image lacks (diffusers), carried as wheels: only the missing ones install.
-  echo "=== wheels"; pip install -q --no-index --find-links .whl diffusers==0.42.1 2>&1 | tail -2 \
-    || pip install -q --user --no-index --find-links .whl diffusers==0.42.1 2>&1 | tail -2
+  echo "=== wheels"; python3 -m pip install -q --no-index --find-links .whl diffusers==0.42.1 2>&1 | tail -2 \
+    || python3 -m pip install -q --user --no-index --find-links .whl diffusers==0.42.1 2>&1 | tail -2
   python3 -c "import diffusers; print('diffusers', diffusers.__version__)"
 fi
 if [[ $steps == *" tune "* ]]; then
