@@ -73,7 +73,9 @@ def randomize_modulation(model: torch.nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LTX2VideoVaeDiffusionNABlock):
-                module.scale_shift_table.copy_(0.5 * torch.randn(module.scale_shift_table.shape, generator=gen))
+                # Drawn on the CPU (reproducible anywhere, also inside a torch.device("cuda") block).
+                table = torch.randn(module.scale_shift_table.shape, generator=gen, device="cpu")
+                module.scale_shift_table.copy_(0.5 * table)
 
 
 def tiny_model(seed: int = 0) -> LTX2VideoDiffusionDecoderModel:
