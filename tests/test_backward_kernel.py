@@ -108,3 +108,23 @@ def test_opcheck():
     out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False])
     torch.library.opcheck(ops.backward, (torch.randn_like(out), q, k, v, out, lse, None, [3, 3, 3], 0.25,
                                          [False, True, False]))
+
+
+def test_only_differentiable_calls_go_through_the_operator(monkeypatch):
+    """Inference calls launch the kernel directly (no operator dispatch); calls that
+    can need a gradient go through the autograd-aware operator."""
+    import na3d
+
+    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=4)
+    real, calls = ops.forward, []
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(ops, "forward", spy)
+    plain = na3d.na3d(q, k, v, 3)
+    assert calls == []
+    with_grad = na3d.na3d(q.clone().requires_grad_(), k, v, 3)
+    assert len(calls) == 1
+    torch.testing.assert_close(plain, with_grad.detach(), rtol=0, atol=0)

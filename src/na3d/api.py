@@ -103,6 +103,13 @@ def _run(query, key, value, kernel_size, causal, scale: float, return_lse: bool)
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         return (out, lse) if return_lse else out
     if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
+        if not needs_grad and not torch.compiler.is_compiling():
+            # Inference, eager: launch directly. The operator's dispatch (schema
+            # checks, autograd and fake-tensor plumbing) costs tens of microseconds
+            # per call, as much as a small problem's kernel.
+            out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
+                                           is_causal=causal)
+            return (out, lse) if return_lse else out
         # The log-sum-exp is saved for the backward only when a gradient can flow.
         out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
                                list(causal))
