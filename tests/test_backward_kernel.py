@@ -3,6 +3,8 @@
 Interpreter on a machine without a GPU (fp16 and fp32), compiled on a GPU.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,3 +130,66 @@ def test_only_differentiable_calls_go_through_the_operator(monkeypatch):
     with_grad = na3d.na3d(q.clone().requires_grad_(), k, v, 3)
     assert len(calls) == 1
     torch.testing.assert_close(plain, with_grad.detach(), rtol=0, atol=0)
+
+
+# The fused backward (dQ by atomic adds): same oracle, awkward shapes and tilings.
+FUSED = [dataclasses.replace(c, fused=True) for c in BWD_TILINGS[:3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", AWKWARD[:2] + AWKWARD[4:])
+def test_fused_backward_awkward_shapes(shape, kernel, dtype):
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=sum(shape))
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    config = dataclasses.replace(launch.backward_config(q, kernel), fused=True)
+    grads = kernel_grads(q, k, v, grad_out, kernel, 0.3, config=config)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3)
+
+
+@pytest.mark.parametrize("config", FUSED, ids=range(len(FUSED)))
+@pytest.mark.parametrize("causal", [(False, False, False), (True, False, True)], ids=["plain", "causal"])
+def test_fused_backward_tilings_with_lse_gradient(config, causal):
+    shape, kernel = (2, 3, 9, 7, 1, 16), (3, 5, 3)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=5)
+    gen = torch.Generator().manual_seed(8)
+    grad_out = torch.randn(shape, generator=gen).to(DEVICE)
+    grad_lse = torch.randn(shape[:5], generator=gen).to(DEVICE)
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, need_lse=True, is_causal=causal)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.25, grad_lse=grad_lse, grads=grads,
+                         config=config, is_causal=causal)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25, grad_lse, is_causal=causal)
+
+
+def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the atomic-free kernels run."""
+    from na3d.kernels import backward as kernels
+
+    shape, kernel = (1, 3, 4, 5, 1, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=9)
+    grad_out = torch.randn(shape).to(DEVICE)
+    config = dataclasses.replace(BWD_TILINGS[0], fused=True)
+    launched = []
+    for name in ("na3d_bwd_dq_kernel", "na3d_bwd_fused_kernel"):
+        real = getattr(kernels, name)
+
+        class Spy:
+            def __init__(self, real, name):
+                self.real, self.name = real, name
+
+            def __getitem__(self, grid):
+                launched.append(self.name)
+                return self.real[grid]
+
+        monkeypatch.setattr(kernels, name, Spy(real, name))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert launched == ["na3d_bwd_dq_kernel"]
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
+    launched.clear()
+    kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
+    assert launched == ["na3d_bwd_fused_kernel"]

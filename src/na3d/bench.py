@@ -15,6 +15,7 @@ Without a GPU it says so and runs a small CPU demonstration instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -188,7 +189,8 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     """Time dq, dk, dv from a given dO (forward excluded) for every method on one shape.
 
     na3d and FlexAttention are timed the same way: ``torch.autograd.grad`` of their
-    retained graphs.
+    retained graphs. ``na3d_fused`` is the one-pass backward (dQ by atomic adds)
+    through the launcher, when the table's config is the two-kernel one.
     Floor: the backward does 2.5x the forward's matrix work (five products instead of
     two) and moves 8 tensors (q, k, v, o, dO in; dq, dk, dv out) instead of 4.
     """
@@ -204,7 +206,9 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
            "pass": "bwd", "ms": {}, "floor_ms": round(floor_ms, 5),
            "config": {"dq": [list(cfg.dq_q_tile), list(cfg.dq_kv_tile)],
                       "dkdv": [list(cfg.dkdv_k_tile), list(cfg.dkdv_q_tile)],
-                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "bucket": cfg.bucket}}
+                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                      "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages,
+                      "fused": cfg.fused, "bucket": cfg.bucket}}
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
     def graph_of(fn):
@@ -237,7 +241,26 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         out.backward(do[:, :, :, w0:w1].float())
     for n, g, r in zip(("dq", "dk", "dv"), grads, ref):
         row["max_abs_err"][n] = float((g.float() - r.grad).abs().max())
-    del grads, ref, out
+    del grads
+    # The one-pass backward (dQ by atomic adds; not the default unless the table
+    # says so), timed beside it through the launcher: its error against the same
+    # reference first.
+    fused_cfg = dataclasses.replace(cfg, fused=True)
+    fwd_out, fwd_lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True)
+
+    def fused_backward():
+        return launch.na3d_backward(do, q, k, v, fwd_out, fwd_lse, ks, scale, config=fused_cfg)
+
+    if not cfg.fused:
+        runners["na3d_fused"] = lambda: fused_backward
+        methods = list(methods) + ["na3d_fused"]
+        try:
+            row["max_abs_err_fused"] = {n: float((g.float() - r.grad).abs().max())
+                                        for n, g, r in zip(("dq", "dk", "dv"), fused_backward(), ref)}
+        except Exception as exc:
+            row.setdefault("errors", {})["na3d_fused"] = f"{type(exc).__name__}: {exc}"[:300]
+            methods.remove("na3d_fused")
+    del ref, out
     torch.cuda.empty_cache()
     for method in methods:
         if method not in runners:
@@ -245,8 +268,8 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         log(f"  {name}: timing {method} backward")
         try:
             fn = runners[method]()
-            row["ms"][method] = round(timer(fn, min_runs=5 if method != "na3d" else 20,
-                                            target_ms=1000 if method != "na3d" else 300), 5)
+            ours = method.startswith("na3d")
+            row["ms"][method] = round(timer(fn, min_runs=20 if ours else 5, target_ms=300 if ours else 1000), 5)
         except Exception as exc:  # e.g. out of memory in a baseline: report it
             row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
             log(f"  {name}: {method} backward failed: {row['errors'][method]}")
@@ -277,7 +300,7 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     except ImportError:
         log("matplotlib not installed: no plot")
         return
-    methods = [m for m in ("na3d", "flex", "sdpa_exact") if any(m in r["ms"] for r in rows)]
+    methods = [m for m in ("na3d", "na3d_fused", "flex", "sdpa_exact") if any(m in r["ms"] for r in rows)]
     fig, ax = plt.subplots(figsize=(15, 5.5))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):

@@ -50,7 +50,10 @@ class BackwardConfig:
     dQ scans key boxes (``dq_kv_tile``) for a box of queries (``dq_q_tile``); dK/dV
     scans query boxes (``dkdv_q_tile``) for a box of keys (``dkdv_k_tile``).
     ``num_warps``/``num_stages`` are the dQ kernel's, and the dK/dV kernel's too
-    unless ``dkdv_num_warps``/``dkdv_num_stages`` say otherwise.
+    unless ``dkdv_num_warps``/``dkdv_num_stages`` say otherwise. ``fused`` selects the
+    one-pass backward (dK/dV tiles and launch settings, dQ added atomically; the dQ
+    query box then only sizes the ``delta`` pass); it is not deterministic, and
+    ``torch.use_deterministic_algorithms(True)`` overrides it.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -61,6 +64,7 @@ class BackwardConfig:
     bucket: str = "explicit"
     dkdv_num_warps: Optional[int] = None
     dkdv_num_stages: Optional[int] = None
+    fused: bool = False
 
     @property
     def dkdv_warps(self) -> int:
@@ -186,11 +190,11 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
-    ``"dkdv_num_stages"``.
+    ``"dkdv_num_stages"``, ``"fused"``.
     """
     dq_q = _fit(bwd["dq"][0], shape)
     dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
     k_box = _fit(bwd["dkdv"][0], shape)
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
-                          bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"))
+                          bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)))

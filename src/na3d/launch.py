@@ -107,8 +107,13 @@ def na3d_backward(
 
     ``grad_lse`` (optional, ``lse``'s shape) is the gradient flowing into the
     log-sum-exp when the forward returned it. ``grads`` (optional) receives the
-    results (the tests pass NaN-filled buffers). Two launches: dQ (which also writes
-    ``delta = rowsum(dO * O) - dlse``), then dK/dV.
+    results (the tests pass NaN-filled buffers).
+
+    The config's ``fused`` flag picks the kernels (see ``kernels/backward.py``):
+    deterministic, two launches (dQ, which also writes ``delta = rowsum(dO * O) -
+    dlse``, then dK/dV); or fused, ``delta`` then one pass that adds dQ atomically
+    into a float32 buffer. Under ``torch.use_deterministic_algorithms(True)`` the
+    deterministic kernels run whatever the config says.
     """
     from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
 
@@ -129,6 +134,9 @@ def na3d_backward(
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
                   CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]))
 
+    if cfg.fused and not torch.are_deterministic_algorithms_enabled():
+        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, scale, cfg, common)
+        return dq, dk, dv
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
         q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, delta, dq,
@@ -149,6 +157,33 @@ def na3d_backward(
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     return dq, dk, dv
+
+
+def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, scale, cfg, common):
+    """``delta``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
+    zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
+    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_fused_kernel
+
+    B, T, H, W, NH, HD = q.shape
+    KT, KH, KW = kernel_size
+    dq, dk, dv = grads
+    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
+    na3d_bwd_delta_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
+        out, grad_out, grad_lse if grad_lse is not None else lse, delta,
+        *out.stride()[:5], *grad_out.stride()[:5], T, H, W, tiles[1], tiles[2],
+        HEAD_DIM=HD, BLOCK_D=common["BLOCK_D"], Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
+        HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
+    dq_acc = torch.zeros((B, T, H, W, NH, common["BLOCK_D"]), dtype=torch.float32, device=q.device)
+    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
+    na3d_bwd_fused_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
+        q, k, v, grad_out, lse, delta, dq_acc, dk, dv,
+        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
+        *dk.stride()[:5], *dv.stride()[:5],
+        T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
+        K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
+        Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+    dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 
 def triton_next_power_of_2(n: int) -> int:

@@ -1,12 +1,20 @@
-"""Backward kernels: dQ over query boxes, dK/dV over key boxes, no atomics.
+"""Backward kernels.
 
-Both recompute the attention probabilities from the forward's log-sum-exp:
+All recompute the attention probabilities from the forward's log-sum-exp:
 ``P = exp(scale * Q K^T - lse)`` on visible pairs, ``dP = dO V^T``,
 ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``. Then
 ``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = P^T dO``.
 
-Determinism: every output element is written by exactly one program, which sums
-its contributions in a fixed order.
+Two ways to run them:
+
+* deterministic, no atomics: dQ over query boxes (it also writes ``delta``), then
+  dK/dV over key boxes. Every output element is written by exactly one program,
+  which sums its contributions in a fixed order. Seven tile products per (query
+  box, key box) pair: both kernels recompute ``Q K^T`` and ``dO V^T``.
+* fused: ``delta`` first, then one pass over key boxes that accumulates dK/dV in
+  registers and adds each step's ``dS^T K`` into a float32 dQ buffer with atomic
+  adds. Five tile products per pair, but the order of the float32 additions into
+  dQ varies from run to run (results differ in the last bits).
 """
 
 import triton
@@ -189,6 +197,133 @@ def na3d_bwd_dkdv_kernel(
         dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+
+    store = k_valid[:, None] & d_ok[None, :]
+    dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
+               + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
+    dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
+               + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=store)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+def na3d_bwd_delta_kernel(
+    O, DO, DLSE, DELTA,
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    T, H, W,
+    tiles_h, tiles_w,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    """Grid: (query tiles, heads, batch). ``delta = rowsum(dO * O) - dlse`` for a box
+    of queries (float32, contiguous ``(B, T, H, W, NH)``), for the fused kernel."""
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    heads = tl.num_programs(1)
+    _, _, _, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    bh = batch.to(tl.int64)
+    hd = head.to(tl.int64)
+    pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
+    do = tl.load(DO + bh * stride_dob + hd * stride_don
+                 + (pos_t * stride_dot + pos_h * stride_doh + pos_w * stride_dow)[:, None] + d[None, :],
+                 mask=d_ok[None, :], other=0.0)
+    o = tl.load(O + bh * stride_ob + hd * stride_on
+                + (pos_t * stride_ot + pos_h * stride_oh + pos_w * stride_ow)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+    rows = (((bh * T + pos_t) * H + pos_h) * W + pos_w) * heads + hd
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows)
+    tl.store(DELTA + rows, delta, mask=q_valid)
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+def na3d_bwd_fused_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ_ACC, DK, DV,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+    T, H, W,
+    KT, KH, KW,
+    tiles_h, tiles_w,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+):
+    """Grid: (key tiles, heads, batch). The dK/dV kernel's scan, plus each step's
+    ``dS^T K`` (unscaled) added atomically into ``DQ_ACC``: float32, contiguous
+    ``(B, T, H, W, NH, BLOCK_D)``, zero before the launch."""
+    BLOCK_N: tl.constexpr = K_T * K_H * K_W
+    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    heads = tl.num_programs(1)
+    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
+                                                     K_T, K_H, K_W)
+    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, CAUSAL_T)
+    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, CAUSAL_H)
+    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, CAUSAL_W)
+    steps_h = tl.cdiv(qh1 - qh0, Q_H)
+    steps_w = tl.cdiv(qw1 - qw0, Q_W)
+    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    bh = batch.to(tl.int64)
+    hd = head.to(tl.int64)
+    pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
+    k = tl.load(K + bh * stride_kb + hd * stride_kn
+                + (pos_t * stride_kt + pos_h * stride_kh + pos_w * stride_kw)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+    v = tl.load(V + bh * stride_vb + hd * stride_vn
+                + (pos_t * stride_vt + pos_h * stride_vh + pos_w * stride_vw)[:, None] + d[None, :],
+                mask=d_ok[None, :], other=0.0)
+
+    q_base = Q + bh * stride_qb + hd * stride_qn
+    do_base = DO + bh * stride_dob + hd * stride_don
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for step in range(n_steps):
+        qt, qh, qw = scan_position(step, steps_h, steps_w, qt0, qh0, qw0, Q_T, Q_H, Q_W)
+        # Queries past the range repeat its last one: masked out of every product
+        # and of the atomic adds (a duplicate would count twice).
+        q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+        qt = tl.minimum(qt, qt1 - 1)
+        qh = tl.minimum(qh, qh1 - 1)
+        qw = tl.minimum(qw, qw1 - 1)
+        pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
+        q = tl.load(q_base + (pt * stride_qt + ph * stride_qh + pw * stride_qw)[:, None] + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        do = tl.load(do_base + (pt * stride_dot + ph * stride_doh + pw * stride_dow)[:, None] + d[None, :],
+                     mask=d_ok[None, :], other=0.0)
+        rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
+        lse2 = tl.load(LSE + rows) * LOG2_E
+        delta = tl.load(DELTA + rows)
+        # Keys past the grid's end (repeats of the last one) must not reach dQ either.
+        visible = (k_valid[:, None] & q_in[None, :]
+                   & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, CAUSAL_T, CAUSAL_H, CAUSAL_W))
+        s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+        p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision="ieee")
+        dq_part = tl.dot(tl.trans(ds_t), k, input_precision="ieee")
+        tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
+                      mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
 
     store = k_valid[:, None] & d_ok[None, :]
     dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
