@@ -380,6 +380,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     log(f"device: {name}; torch {torch.__version__}; measuring ceilings")
     ceilings = measure_ceilings(timer, device)
     log(f"ceilings: copy {ceilings['copy_tbs']} TB/s, dense SDPA flash {ceilings['dense_attn_tflops']} TFLOP/s")
+    import triton
+
+    slug = device_slug(name)
+    path = os.path.join(args.out_dir, f"{slug}.json")
+
+    def write(rows: List[dict], complete: bool) -> None:
+        """The results file; rewritten after every shape, so a cut run keeps its rows."""
+        if args.no_write:
+            return
+        measured = {(r["name"], r["pass"]) for r in rows}
+        result = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+                  "python": platform.python_version(), "commit": commit,
+                  "date": datetime.date.today().isoformat(), "ceilings": ceilings,
+                  "rows": [r for r in kept if (r["name"], r["pass"]) not in measured] + rows}
+        if not complete:
+            result["incomplete"] = "the run stopped before measuring every requested row"
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
     rows = []
     for i, spec in enumerate(specs):
         log(f"[{i + 1}/{len(specs)}] {spec['name']} {spec['shape']} kernel {spec['kernel_size']}")
@@ -389,6 +409,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.backward:
             rows.append(backward_row(spec, timer, ceilings, device, methods))
             torch.cuda.empty_cache()
+        write(rows, complete=False)
     if args.decoder:
         from .bench_decoder import decoder_row, print_row
         log("[decoder] LTX-2.5 diffusion decoder, 121 frames at 512x768, tiled")
@@ -396,24 +417,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_row(row)
         rows.append(row)
     measured = {(r["name"], r["pass"]) for r in rows}
-    rows = [r for r in kept if (r["name"], r["pass"]) not in measured] + rows
-    print_table([r for r in rows if r["pass"] in ("fwd", "bwd")])
+    print_table([r for r in kept if (r["name"], r["pass"]) not in measured and r["pass"] in ("fwd", "bwd")]
+                + [r for r in rows if r["pass"] in ("fwd", "bwd")])
     if args.no_write:
         return 0
-    import triton
-    result = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "commit": commit,
-              "date": datetime.date.today().isoformat(), "ceilings": ceilings, "rows": rows}
-    os.makedirs(args.out_dir, exist_ok=True)
-    slug = device_slug(name)
-    path = os.path.join(args.out_dir, f"{slug}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write(rows, complete=True)
     log(f"wrote {path}")
-    plot([r for r in rows if r["pass"] in ("fwd", "bwd")], os.path.join(args.out_dir, f"{slug}.png"),
+    with open(path) as f:
+        all_rows = json.load(f)["rows"]
+    plot([r for r in all_rows if r["pass"] in ("fwd", "bwd")], os.path.join(args.out_dir, f"{slug}.png"),
          f"na3d on {name} (bf16; fwd and bwd rows)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
