@@ -39,25 +39,28 @@ def make_qkv(shape, dtype, layout="contiguous", device="cpu", seed=0):
     raise ValueError(layout)
 
 
-def tolerance(q, k, v, kernel_size, scale, oracle, dilation=(1, 1, 1), is_causal=(False, False, False)):
+def tolerance(q, k, v, kernel_size, scale, oracle, dilation=(1, 1, 1), is_causal=(False, False, False),
+              stride=(1, 1, 1)):
     """Allowed max abs error: twice PyTorch's own error at q's dtype, plus a rounding band.
 
     PyTorch's error is that of the same dense masked attention computed with tensors
     of q's dtype (``compute_dtype=None``), measured against the float64 oracle.
     """
     same_math = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, dilation=dilation, is_causal=is_causal,
-                                      compute_dtype=None)
+                                      compute_dtype=None, stride=stride)
     torch_err = (same_math.double() - oracle).abs().max().item()
     band = 2 * torch.finfo(q.dtype).eps * max(1.0, oracle.abs().max().item())
     return 2 * torch_err + band
 
 
-def assert_matches_oracle(out, q, k, v, kernel_size, scale, dilation=(1, 1, 1), is_causal=(False, False, False)):
-    oracle = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, dilation=dilation, is_causal=is_causal)
+def assert_matches_oracle(out, q, k, v, kernel_size, scale, dilation=(1, 1, 1), is_causal=(False, False, False),
+                          stride=(1, 1, 1)):
+    oracle = na3d.na3d_brute_force(q, k, v, kernel_size, scale=scale, dilation=dilation, is_causal=is_causal,
+                                   stride=stride)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "output has NaNs: an element was never written"
     err = (out.double() - oracle).abs().max().item()
-    tol = tolerance(q, k, v, kernel_size, scale, oracle, dilation, is_causal)
+    tol = tolerance(q, k, v, kernel_size, scale, oracle, dilation, is_causal, stride)
     assert err <= tol, f"max abs error {err:.3e} > tolerance {tol:.3e}"
     return err
 
@@ -83,7 +86,7 @@ def grads_of(fn, q, k, v, grad_out):
 
 
 def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1),
-                      is_causal=(False, False, False)):
+                      is_causal=(False, False, False), stride=(1, 1, 1)):
     """dq, dk, dv by the flash-attention backward formulas, in PyTorch at q's dtype.
 
     Matrix products take q's dtype (as the kernels' tensor-core inputs do), softmax
@@ -93,7 +96,8 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dila
     """
     B, T, H, W, NH, HD = q.shape
     n, dt = T * H * W, q.dtype
-    mask = na3d.geometry.neighborhood_mask((T, H, W), kernel_size, dilation, is_causal, device=q.device)
+    mask = na3d.geometry.neighborhood_mask((T, H, W), kernel_size, dilation, is_causal, device=q.device,
+                                           stride=stride)
     group = NH // k.shape[4]
 
     def hf(x):
@@ -122,11 +126,11 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dila
 
 
 def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1),
-                 is_causal=(False, False, False)):
+                 is_causal=(False, False, False), stride=(1, 1, 1)):
     """float64 autograd through the brute force, for ``sum(out * dO) + sum(lse * dlse)``."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out, lse = na3d.na3d_brute_force(*leaves, kernel_size, scale=scale, dilation=dilation, is_causal=is_causal,
-                                     return_lse=True)
+                                     return_lse=True, stride=stride)
     loss = (out * grad_out.double()).sum()
     if grad_lse is not None:
         loss = loss + (lse * grad_lse.double()).sum()
@@ -135,7 +139,7 @@ def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=
 
 
 def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1),
-                              is_causal=(False, False, False)):
+                              is_causal=(False, False, False), stride=(1, 1, 1)):
     """Kernel gradients against float64 autograd through the brute force.
 
     Tolerance per tensor: twice the error of the same math (``flash_style_grads`` at
@@ -144,8 +148,8 @@ def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad
     grads = [g.cpu() for g in grads]
     q, k, v, grad_out = (t.cpu() for t in (q, k, v, grad_out))
     grad_lse = grad_lse.cpu() if grad_lse is not None else None
-    oracle = oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal)
-    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal)
+    oracle = oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal, stride)
+    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal, stride)
     errors = {}
     for name, g, want, pt in zip(("dq", "dk", "dv"), grads, oracle, same):
         assert g.shape == want.shape and g.dtype == q.dtype, (name, g.shape, want.shape, g.dtype)

@@ -106,10 +106,10 @@ def test_opcheck():
     q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=2)
     for need_lse in (True, False):
         torch.library.opcheck(ops.forward, (q.clone().requires_grad_(), k, v, [3, 3, 3], 0.25, need_lse,
-                                             [False, True, False]))
-    out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False])
+                                             [False, True, False], [1, 2, 1]))
+    out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False], [1, 2, 1])
     torch.library.opcheck(ops.backward, (torch.randn_like(out), q, k, v, out, lse, None, [3, 3, 3], 0.25,
-                                         [False, True, False]))
+                                         [False, True, False], [1, 2, 1]))
 
 
 def test_only_differentiable_calls_go_through_the_operator(monkeypatch):

@@ -81,7 +81,8 @@ def compile_all(arch):
     target = GPUTarget(*target)
     for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd) in enumerate(configs_for(arch)):
         causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
-        base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2])
+        base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
+                    STRIDED=i % 2 == 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, **tiles), warps, stages)
         assert instruction in fwd.asm[asm], f"{arch} {bucket}: forward has no {instruction}"

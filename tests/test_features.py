@@ -1,5 +1,5 @@
 """NATTEN's features beyond the base case: even kernels, dilation, causal axes,
-grouped-query attention, return_lse and merging, na1d/na2d.
+strides, grouped-query attention, return_lse and merging, na1d/na2d.
 
 Random configurations (a new seed per case) through the kernels (the Triton
 interpreter on a CPU-only machine, the compiled kernels on a GPU) and through the
@@ -24,9 +24,10 @@ DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" 
 
 
 def random_config(seed, max_len=9, min_kernel=1):
-    """(shape, kv_heads, kernel, dilation, causal) with kernel * dilation <= size per axis."""
+    """(shape, kv_heads, kernel, dilation, causal, stride) with kernel * dilation <= size
+    and 1 <= stride <= kernel per axis."""
     rng = random.Random(seed)
-    spatial, kernel, dilation, causal = [], [], [], []
+    spatial, kernel, dilation, causal, stride = [], [], [], [], []
     for _ in range(3):
         d = rng.choice([1, 1, 2, 3])
         k = rng.randint(min_kernel, 4)
@@ -35,10 +36,11 @@ def random_config(seed, max_len=9, min_kernel=1):
         kernel.append(k)
         dilation.append(d)
         causal.append(rng.random() < 0.4)
+        stride.append(rng.randint(1, k) if rng.random() < 0.5 else 1)
     kv_heads = rng.choice([1, 2])
     heads = kv_heads * rng.choice([1, 2])
     shape = (rng.choice([1, 2]), *spatial, heads, 16)
-    return shape, kv_heads, tuple(kernel), tuple(dilation), tuple(causal)
+    return shape, kv_heads, tuple(kernel), tuple(dilation), tuple(causal), tuple(stride)
 
 
 def qkv_for(shape, kv_heads, dtype, seed):
@@ -58,11 +60,12 @@ def on_reference_path(monkeypatch):
 @pytest.mark.parametrize("seed", range(6))
 def test_oracle_equals_natten(seed):
     natten = pytest.importorskip("natten")
-    shape, kv_heads, kernel, dilation, _ = random_config(100 + seed, min_kernel=2)  # NATTEN rejects 1
+    shape, kv_heads, kernel, dilation, _, stride = random_config(100 + seed, min_kernel=2)  # NATTEN rejects 1
     causal = tuple(random.Random(seed).choice([False, True]) for _ in range(3))
     q, k, v = (t.cpu().float() for t in qkv_for(shape, kv_heads, torch.float32, seed))
-    want = natten.na3d(q, k, v, kernel_size=kernel, dilation=dilation, is_causal=causal)
-    got = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, compute_dtype=torch.float64)
+    want = natten.na3d(q, k, v, kernel_size=kernel, dilation=dilation, is_causal=causal, stride=stride)
+    got = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, compute_dtype=torch.float64,
+                                stride=stride)
     torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -77,22 +80,23 @@ kernels_only = pytest.mark.skipif(not KERNELS_RUN, reason="no GPU and the Triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seed", range(5))
 def test_forward_random_features(seed, dtype):
-    shape, kv_heads, kernel, dilation, causal = random_config(seed)
+    shape, kv_heads, kernel, dilation, causal, stride = random_config(seed)
     q, k, v = qkv_for(shape, kv_heads, dtype, seed)
-    out = na3d.na3d(q, k, v, kernel, dilation=dilation, is_causal=causal, scale=0.3)
-    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, dilation, causal)
+    out = na3d.na3d(q, k, v, kernel, stride=stride, dilation=dilation, is_causal=causal, scale=0.3)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, dilation, causal, stride)
 
 
 @kernels_only
 @pytest.mark.parametrize("seed", range(4))
 def test_backward_random_features(seed):
-    shape, kv_heads, kernel, dilation, causal = random_config(50 + seed, max_len=7)
+    shape, kv_heads, kernel, dilation, causal, stride = random_config(50 + seed, max_len=7)
     q, k, v = qkv_for(shape, kv_heads, torch.float32, seed)
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    (na3d.na3d(*leaves, kernel, dilation=dilation, is_causal=causal, scale=0.3) * grad_out).sum().backward()
+    out = na3d.na3d(*leaves, kernel, stride=stride, dilation=dilation, is_causal=causal, scale=0.3)
+    (out * grad_out).sum().backward()
     assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, 0.3, dilation=dilation,
-                              is_causal=causal)
+                              is_causal=causal, stride=stride)
 
 
 CAUSAL_FLAGS = list(itertools.product([False, True], repeat=3))
@@ -181,17 +185,18 @@ def test_lse_with_features(dtype):
 @pytest.mark.parametrize("seed", range(4))
 def test_reference_path_random_features(seed, monkeypatch):
     on_reference_path(monkeypatch)
-    shape, kv_heads, kernel, dilation, causal = random_config(200 + seed)
+    shape, kv_heads, kernel, dilation, causal, stride = random_config(200 + seed)
     q, k, v = (t.cpu() for t in qkv_for(shape, kv_heads, torch.float32, seed))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = na3d.na3d(*leaves, kernel, dilation=dilation, is_causal=causal, return_lse=True)
-    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, return_lse=True)
+    out, lse = na3d.na3d(*leaves, kernel, stride=stride, dilation=dilation, is_causal=causal, return_lse=True)
+    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, return_lse=True,
+                                           stride=stride)
     torch.testing.assert_close(out.double(), want.double(), rtol=0, atol=2e-6)
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-6)
     grad_out = torch.randn(shape)
     (out * grad_out).sum().backward()
     assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, shape[-1] ** -0.5,
-                              dilation=dilation, is_causal=causal)
+                              dilation=dilation, is_causal=causal, stride=stride)
 
 
 @pytest.mark.parametrize("causal", CAUSAL_FLAGS[1:], ids=lambda c: "".join("c" if x else "-" for x in c))
@@ -286,4 +291,38 @@ def test_causal_matches_natten():
     for causal in CAUSAL_FLAGS[1:]:
         got = na3d.na3d(q, k, v, (3, 2, 4), dilation=(1, 2, 1), is_causal=causal)
         want = natten.na3d(q, k, v, kernel_size=(3, 2, 4), dilation=(1, 2, 1), is_causal=causal)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+STRIDE_CASES = [((2, 3, 4), (1, 3, 2), (False, False, False)), ((3, 4, 5), (3, 2, 5), (True, False, False)),
+                ((2, 5, 3), (2, 4, 3), (False, True, True))]
+
+
+@kernels_only
+@pytest.mark.parametrize("kernel,stride,causal", STRIDE_CASES)
+def test_strides_forward_and_backward(kernel, stride, causal):
+    """Strides (even, odd, equal to the kernel), with and without causal axes,
+    through the kernels, forward (with lse) and backward."""
+    shape = (2, 7, 9, 8, 2, 16)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=sum(stride))
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = na3d.na3d(*leaves, kernel, stride=stride, is_causal=causal, return_lse=True)
+    assert_matches_oracle(out.detach().cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25, is_causal=causal,
+                          stride=stride)
+    _, want_lse = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, is_causal=causal, return_lse=True,
+                                        stride=stride)
+    torch.testing.assert_close(lse.detach().cpu().double(), want_lse, rtol=0, atol=1e-5)
+    (out * grad_out).sum().backward()
+    assert_grads_match_oracle([t.grad for t in leaves], q, k, v, grad_out, kernel, 0.25, is_causal=causal,
+                              stride=stride)
+
+
+def test_strides_match_natten():
+    natten = pytest.importorskip("natten")
+    gen = torch.Generator().manual_seed(42)
+    q, k, v = (torch.randn(1, 7, 9, 8, 2, 16, generator=gen) for _ in range(3))
+    for kernel, stride, causal in STRIDE_CASES:
+        got = na3d.na3d(q, k, v, kernel, stride=stride, is_causal=causal)
+        want = natten.na3d(q, k, v, kernel_size=kernel, stride=stride, is_causal=causal)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

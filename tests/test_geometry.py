@@ -108,24 +108,25 @@ try:
     from na3d.kernels.common import window_start as device_window_start
 
     @triton.jit
-    def _window_probe(Start, Bounds, L, K, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _window_probe(Start, Bounds, L, K, S, CAUSAL: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         tl.store(Start + i, device_window_start(i, L, K), mask=i < L)
-        first, stop = device_window_bounds(i, L, K, CAUSAL)
+        first, stop = device_window_bounds(i, L, K, S, CAUSAL, STRIDED)
         tl.store(Bounds + 2 * i, first, mask=i < L)
         tl.store(Bounds + 2 * i + 1, stop, mask=i < L)
 
     @triton.jit
-    def _queries_seeing_probe(Out, a, b, L, K, CAUSAL: tl.constexpr):
-        first, stop = device_queries_seeing(a, b, L, K, CAUSAL)
+    def _queries_seeing_probe(Out, a, b, L, K, S, CAUSAL: tl.constexpr, STRIDED: tl.constexpr):
+        first, stop = device_queries_seeing(a, b, L, K, S, CAUSAL, STRIDED)
         tl.store(Out, first)
         tl.store(Out + 1, stop)
 except ImportError:  # pragma: no cover - Triton is a test dependency
     triton = None
 
 
+@pytest.mark.parametrize("stride", [1, 2, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_device_geometry_matches_python(causal):
+def test_device_geometry_matches_python(causal, stride):
     """The kernels' window functions (interpreter or GPU) equal the Python ones."""
     from na3d.launch import kernels_interpreted
 
@@ -135,28 +136,36 @@ def test_device_geometry_matches_python(causal):
     if device == "cpu" and not kernels_interpreted():
         pytest.skip("no GPU and the Triton interpreter is not active")
     for length, kernel in [(1, 1), (7, 1), (7, 3), (7, 7), (16, 4), (16, 5), (33, 11), (64, 27)]:
+        if stride > kernel:
+            continue
         start = torch.full((64,), -1, dtype=torch.int32, device=device)
         bounds = torch.full((64, 2), -1, dtype=torch.int32, device=device)
-        _window_probe[(1,)](start, bounds, length, kernel, CAUSAL=causal, BLOCK=64)
+        _window_probe[(1,)](start, bounds, length, kernel, stride, CAUSAL=causal, STRIDED=stride > 1, BLOCK=64)
         assert start[:length].tolist() == [geometry.window_start(i, length, kernel) for i in range(length)]
-        want = [list(geometry.window_bounds(i, length, kernel, 1, causal)) for i in range(length)]
+        want = [list(geometry.window_bounds(i, length, kernel, 1, causal, stride)) for i in range(length)]
         assert bounds[:length].tolist() == want
     for length, kernel in [(7, 3), (13, 5), (16, 1), (9, 9), (10, 4)]:
+        if stride > kernel:
+            continue
         for a in range(0, length, 2):
             for b in range(a, length, 3):
                 out = torch.zeros(2, dtype=torch.int32, device=device)
-                _queries_seeing_probe[(1,)](out, a, b, length, kernel, CAUSAL=causal)
-                assert tuple(out.tolist()) == geometry.queries_seeing(a, b, length, kernel, causal)
+                _queries_seeing_probe[(1,)](out, a, b, length, kernel, stride, CAUSAL=causal, STRIDED=stride > 1)
+                assert tuple(out.tolist()) == geometry.queries_seeing(a, b, length, kernel, causal, stride)
 
 
+@pytest.mark.parametrize("stride", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [False, True])
-def test_union_and_queries_seeing_per_causal_flag(causal):
-    for length, kernel in [(7, 3), (10, 4), (9, 9), (12, 1), (11, 6)]:
-        sees = geometry.mask_1d(length, kernel, is_causal=causal)
+def test_union_and_queries_seeing_per_causal_flag(causal, stride):
+    for length, kernel in [(7, 3), (10, 4), (9, 9), (12, 1), (11, 6), (13, 5)]:
+        if stride > kernel:
+            continue
+        sees = geometry.mask_1d(length, kernel, is_causal=causal, stride=stride)
         for a in range(length):
             for b in range(a, length):
                 rows = sees[:, a:b + 1].any(1).nonzero().flatten().tolist()
-                assert geometry.queries_seeing(a, b, length, kernel, causal) == (rows[0], rows[-1] + 1)
-                lo, hi = geometry.union_of_windows(a, b, length, kernel, causal)
+                assert rows == list(range(rows[0], rows[-1] + 1)), "queries seeing a run are contiguous"
+                assert geometry.queries_seeing(a, b, length, kernel, causal, stride) == (rows[0], rows[-1] + 1)
+                lo, hi = geometry.union_of_windows(a, b, length, kernel, causal, stride)
                 cols = sees[a:b + 1].any(0).nonzero().flatten().tolist()
                 assert (lo, hi) == (cols[0], cols[-1] + 1)

@@ -119,6 +119,8 @@ FEATURES = [
     dict(kernel=(3, 7, 7), kv_heads=1),
     dict(kernel=(5, 5, 5), kv_heads=2, is_causal=(False, False, True)),
     dict(kernel=(7, 15, 19), is_causal=(True, False, False)),
+    dict(kernel=(3, 7, 7), stride=(1, 2, 3)),
+    dict(kernel=(4, 5, 6), stride=(2, 5, 4), is_causal=(True, False, False)),
 ]
 
 

@@ -122,11 +122,12 @@ def test_bad_dilation(qkv):
         call(q, k, v, 3, dilation=(1, 1, 2))
 
 
-@pytest.mark.parametrize("kwargs", [dict(stride=2), dict(stride=(1, 2, 1))])
-def test_not_yet_supported_features_say_so(qkv, kwargs):
+@pytest.mark.parametrize("stride,message", [(0, "at least 1"), ((1, 4, 1), "at most the kernel size 3"),
+                                            ((1, 2), "tuple of 3 ints"), (1.5, "must be an int")])
+def test_stride_is_validated(qkv, stride, message):
     q, k, v = qkv
-    with pytest.raises(NotImplementedError):
-        call(q, k, v, **kwargs)
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(q, k, v, 3, stride=stride)
 
 
 def test_grad_is_never_dropped(qkv, monkeypatch):

@@ -96,7 +96,16 @@ def _check_kernel_size(kernel_size: IntOrTriple, dilation: IntOrTriple,
     return ks, dil
 
 
-def _run(query, key, value, kernel_size, causal, scale: float, return_lse: bool):
+def _check_stride(stride: IntOrTriple, kernel_size: Sequence[int]) -> Tuple[int, int, int]:
+    st = _triple(stride, "stride", int)
+    for axis, s, k in zip("THW", st, kernel_size):
+        if not 1 <= s <= k:
+            raise ValueError(f"stride={st}: along {axis} it must be at least 1 and at most the kernel size {k}; "
+                             f"got {s}")
+    return st
+
+
+def _run(query, key, value, kernel_size, causal, stride, scale: float, return_lse: bool):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if query.numel() == 0:
         out = torch.empty_like(query)
@@ -108,14 +117,14 @@ def _run(query, key, value, kernel_size, causal, scale: float, return_lse: bool)
             # checks, autograd and fake-tensor plumbing) costs tens of microseconds
             # per call, as much as a small problem's kernel.
             out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
-                                           is_causal=causal)
+                                           is_causal=causal, stride=stride)
             return (out, lse) if return_lse else out
         # The log-sum-exp is saved for the backward only when a gradient can flow.
         out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
-                               list(causal))
+                               list(causal), list(stride))
         return (out, lse) if return_lse else out
     return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
-                                     is_causal=causal)
+                                     is_causal=causal, stride=stride)
 
 
 def na3d(
@@ -143,17 +152,17 @@ def na3d(
     ``dilation`` (NATTEN's: axes split into groups by ``index % d``), ``is_causal``
     per axis (a causal axis sees the ``K`` positions ending at the query, clipped at
     0), even kernel sizes (``K // 2`` keys left of the center, ``K // 2 - 1`` right)
-    and grouped-query attention (``key``/``value`` with fewer heads, a divisor of the
-    query's) are supported. Causal masks are in the kernels; dilation and GQA are
+    grouped-query attention (``key``/``value`` with fewer heads, a divisor of the
+    query's) and ``stride`` (NATTEN's: the queries of each group of ``stride`` along
+    an axis share the window of the group's center, or of its last query on a causal
+    axis; ``1 <= stride <= kernel_size``; the output keeps the input's size) are
+    supported. Causal masks and strides are in the kernels; dilation and GQA are
     composed from the dilation-1, equal-heads kernel (one launch per dilation group
     and per key/value head, inputs as strided views).
-
-    Not supported (raises ``NotImplementedError``): ``stride != 1``.
     """
     _check_tensors(query, key, value)
     ks, dil = _check_kernel_size(kernel_size, dilation, query.shape[1:4])
-    if _triple(stride, "stride", int) != (1, 1, 1):
-        raise NotImplementedError(f"stride={stride}: only stride 1 is supported")
+    st = _check_stride(stride, ks)
     causal = _triple(is_causal, "is_causal", bool)
     if scale is None:
         scale = query.shape[-1] ** -0.5
@@ -161,21 +170,22 @@ def na3d(
         raise TypeError(f"scale={scale!r} must be a finite float or None")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
-    return _dilated(query, key, value, ks, dil, causal, float(scale), return_lse)
+    return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse)
 
 
-def _dilated(q, k, v, kernel_size, dilation, causal, scale: float, return_lse: bool):
+def _dilated(q, k, v, kernel_size, dilation, causal, stride, scale: float, return_lse: bool):
     """Dilation by composition: NATTEN splits each axis into ``d`` groups by
     ``index % d`` and runs dilation-1 neighborhood attention inside each group. A group
     is a strided view (no copy); the groups' results are interleaved back. A causal
-    axis stays causal inside each group (NATTEN's definition)."""
+    axis stays causal inside each group, and strides count group positions (NATTEN's
+    definitions)."""
     if dilation == (1, 1, 1):
-        return _grouped_heads(q, k, v, kernel_size, causal, scale, return_lse)
+        return _grouped_heads(q, k, v, kernel_size, causal, stride, scale, return_lse)
     dt, dh, dw = dilation
     pieces = []
     for gt, gh, gw in itertools.product(range(dt), range(dh), range(dw)):
         view = (slice(None), slice(gt, None, dt), slice(gh, None, dh), slice(gw, None, dw))
-        pieces.append(_grouped_heads(q[view], k[view], v[view], kernel_size, causal, scale, return_lse))
+        pieces.append(_grouped_heads(q[view], k[view], v[view], kernel_size, causal, stride, scale, return_lse))
     if return_lse:
         return (_interleave([p[0] for p in pieces], dilation, q.shape[1:4]),
                 _interleave([p[1] for p in pieces], dilation, q.shape[1:4]))
@@ -204,17 +214,17 @@ def _interleave(pieces, dilation, spatial):
     return merged[:, :spatial[0], :spatial[1], :spatial[2]]
 
 
-def _grouped_heads(q, k, v, kernel_size, causal, scale: float, return_lse: bool):
+def _grouped_heads(q, k, v, kernel_size, causal, stride, scale: float, return_lse: bool):
     """Grouped-query attention by composition: the query heads of each key/value head
     see it through a zero-stride view (``expand``: nothing is copied)."""
     heads, kv_heads = q.shape[4], k.shape[4]
     if heads == kv_heads:
-        return _run(q, k, v, kernel_size, causal, scale, return_lse)
+        return _run(q, k, v, kernel_size, causal, stride, scale, return_lse)
     group = heads // kv_heads
     shape = list(k.shape)
     shape[4] = group
     parts = [_run(q[..., j * group:(j + 1) * group, :], k[..., j:j + 1, :].expand(shape),
-                  v[..., j:j + 1, :].expand(shape), kernel_size, causal, scale, return_lse)
+                  v[..., j:j + 1, :].expand(shape), kernel_size, causal, stride, scale, return_lse)
              for j in range(kv_heads)]
     if return_lse:
         return torch.cat([p[0] for p in parts], 4), torch.cat([p[1] for p in parts], 4)

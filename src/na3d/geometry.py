@@ -45,48 +45,68 @@ def window_start(index: IntOrTensor, length: int, kernel_size: int) -> IntOrTens
     return _clamp(index - kernel_size // 2, 0, length - kernel_size)
 
 
+def stride_leader(index: IntOrTensor, length: int, stride: int, is_causal: bool = False) -> IntOrTensor:
+    """The query whose window query ``index`` shares under NATTEN's ``stride``.
+
+    An axis is cut into groups of ``stride`` consecutive queries; every query of a
+    group uses the window of its leader: the group's center (the right one of the
+    two for an even stride), or its last query on a causal axis, clipped to the
+    axis. Stride 1 makes every query its own leader.
+    """
+    offset = stride - 1 if is_causal else stride // 2
+    leader = (index // stride) * stride + offset
+    if isinstance(leader, torch.Tensor):
+        return torch.clamp(leader, max=length - 1)
+    return min(leader, length - 1)
+
+
 def window_bounds(
     index: IntOrTensor,
     length: int,
     kernel_size: int,
     dilation: int = 1,
     is_causal: bool = False,
+    stride: int = 1,
 ) -> Tuple[IntOrTensor, IntOrTensor]:
     """Half-open key range ``[start, stop)`` seen by query ``index``, step ``dilation``.
 
     With dilation ``d`` the axis splits into ``d`` groups by ``index % d``; inside a
     group (its own length ``ceil((L - g) / d)``) the window is the dilation-1 window
     of the query's position in the group. Causal: the ``K`` positions ending at the
-    query itself, clipped at 0 (fewer keys near the start). ``stop`` is exclusive and
-    always ``start + d * count`` for the ``count`` keys seen.
+    query itself, clipped at 0 (fewer keys near the start). With ``stride`` the
+    window is that of the query's :func:`stride_leader` inside its group (NATTEN's
+    definition; on a causal axis only the start moves, the window still ends at the
+    query). ``stop`` is exclusive and always ``start + d * count`` for the
+    ``count`` keys seen.
     """
     d = dilation
     group = index % d
     pos = index // d
     group_len = (length - group + d - 1) // d
+    leader = stride_leader(pos, group_len, stride, is_causal) if stride != 1 else pos
     if is_causal:
-        first = _clamp(pos - kernel_size + 1, 0, pos)
+        first = _clamp(leader - kernel_size + 1, 0, pos)
         last = pos + 1
     else:
-        first = _clamp(pos - kernel_size // 2, 0, group_len - kernel_size)
+        first = _clamp(leader - kernel_size // 2, 0, group_len - kernel_size)
         last = first + kernel_size
     return group + first * d, group + last * d
 
 
 def union_of_windows(first: int, last: int, length: int, kernel_size: int,
-                     is_causal: bool = False) -> Tuple[int, int]:
+                     is_causal: bool = False, stride: int = 1) -> Tuple[int, int]:
     """``[start, stop)`` covering the windows of queries ``first..last`` (inclusive).
 
     Both ends of a window never decrease with the query index (dilation 1, causal or
-    not), so the union of the windows of a contiguous run of queries is itself
-    contiguous: from the first query's start to the last query's stop.
+    not, any stride), so the union of the windows of a contiguous run of queries is
+    itself contiguous: from the first query's start to the last query's stop.
     """
-    return (window_bounds(first, length, kernel_size, 1, is_causal)[0],
-            window_bounds(last, length, kernel_size, 1, is_causal)[1])
+    return (window_bounds(first, length, kernel_size, 1, is_causal, stride)[0],
+            window_bounds(last, length, kernel_size, 1, is_causal, stride)[1])
 
 
 def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int,
-                   is_causal: bool = False) -> Tuple[int, int]:
+                   is_causal: bool = False, stride: int = 1) -> Tuple[int, int]:
     """``[first, stop)``: the queries whose windows contain a key of ``first_key..last_key``.
 
     The dual of :func:`union_of_windows`, used by the backward pass for dK/dV: query
@@ -98,13 +118,25 @@ def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int,
 
     Causal: query ``i`` sees ``[max(i - K + 1, 0), i]``, so key ``j`` is seen by
     queries ``j .. j + K - 1`` (clipped at ``L - 1``).
+
+    With a stride ``s``, query ``i`` has its leader's window. Non-causal: the
+    leaders that see the run are the stride-1 answer ``[lo, hi)``, and the queries
+    are the groups whose leader ``g * s + s // 2`` lies in it. Causal: queries from
+    ``first_key`` on whose leader ``g * s + s - 1`` is at most ``last_key + K - 1``.
     """
+    s = stride
     if is_causal:
-        return first_key, min(last_key + kernel_size, length)
+        if s == 1 or last_key + kernel_size >= length:
+            return first_key, min(last_key + kernel_size, length)
+        return first_key, min(length, ((last_key + kernel_size - s) // s + 1) * s)
     half = kernel_size // 2
     lowest_start = first_key - kernel_size + 1
     first = 0 if lowest_start <= 0 else lowest_start + half
     stop = length if last_key >= length - kernel_size else last_key + half + 1
+    if s == 1:
+        return first, stop
+    first = -(-max(first - s // 2, 0) // s) * s
+    stop = length if stop >= length else min(length, -(-max(stop - s // 2, 0) // s) * s)
     return first, stop
 
 
@@ -114,10 +146,11 @@ def mask_1d(
     dilation: int = 1,
     is_causal: bool = False,
     device: Union[str, torch.device, None] = None,
+    stride: int = 1,
 ) -> torch.Tensor:
     """Boolean ``[length, length]`` matrix: ``[i, j]`` is True iff query i sees key j."""
     i = torch.arange(length, device=device)
-    start, stop = window_bounds(i, length, kernel_size, dilation, is_causal)
+    start, stop = window_bounds(i, length, kernel_size, dilation, is_causal, stride)
     j = torch.arange(length, device=device)
     inside = (j[None, :] >= start[:, None]) & (j[None, :] < stop[:, None])
     return inside & ((j[None, :] - start[:, None]) % dilation == 0)
@@ -129,6 +162,7 @@ def neighborhood_mask(
     dilation: Sequence[int] = None,
     is_causal: Sequence[bool] = None,
     device: Union[str, torch.device, None] = None,
+    stride: Sequence[int] = None,
 ) -> torch.Tensor:
     """Boolean ``[N, N]`` mask over the flattened grid (row-major), N = prod(shape).
 
@@ -137,9 +171,10 @@ def neighborhood_mask(
     nd = len(shape)
     dilation = tuple(dilation) if dilation is not None else (1,) * nd
     is_causal = tuple(is_causal) if is_causal is not None else (False,) * nd
+    stride = tuple(stride) if stride is not None else (1,) * nd
     mask = None
     for d in range(nd):
-        m = mask_1d(shape[d], kernel_size[d], dilation[d], is_causal[d], device=device)
+        m = mask_1d(shape[d], kernel_size[d], dilation[d], is_causal[d], device=device, stride=stride[d])
         # This dimension's query axis goes to position d, its key axis to nd + d.
         view = [1] * (2 * nd)
         view[d] = shape[d]

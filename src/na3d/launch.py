@@ -48,10 +48,12 @@ def na3d_forward(
     out: Optional[torch.Tensor] = None,
     config: Optional[configs.ForwardConfig] = None,
     is_causal: Sequence[bool] = (False, False, False),
+    stride: Sequence[int] = (1, 1, 1),
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the forward kernel on validated ``(B, T, H, W, NH, HD)`` inputs.
 
-    ``is_causal`` (per axis T, H, W) selects causal windows along that axis.
+    ``is_causal`` (per axis T, H, W) selects causal windows along that axis;
+    ``stride`` NATTEN's window-sharing stride per axis.
 
     ``out`` (optional, any strides with innermost stride 1) receives the result; the
     tests pass a NaN-filled one so that an element the kernel never writes shows.
@@ -70,13 +72,14 @@ def na3d_forward(
     na3d_fwd_kernel[grid](
         q, k, v, out, lse if lse is not None else out,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5],
-        T, H, W, KT, KH, KW, tiles[1], tiles[2],
+        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2],
         scale * LOG2_E,
         HEAD_DIM=HD,
         BLOCK_D=max(16, triton_next_power_of_2(HD)),
         Q_T=cfg.q_tile[0], Q_H=cfg.q_tile[1], Q_W=cfg.q_tile[2],
         KV_T=cfg.kv_tile[0], KV_H=cfg.kv_tile[1], KV_W=cfg.kv_tile[2],
         CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
+        STRIDED=any(s != 1 for s in stride),
         STORE_LSE=need_lse,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -102,6 +105,7 @@ def na3d_backward(
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     config: Optional[configs.BackwardConfig] = None,
     is_causal: Sequence[bool] = (False, False, False),
+    stride: Sequence[int] = (1, 1, 1),
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the forward's ``out`` and natural-log ``lse`` (float32, contiguous).
 
@@ -132,17 +136,19 @@ def na3d_backward(
     delta = torch.empty_like(lse)
     grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
-                  CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]))
+                  CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
+                  STRIDED=any(s != 1 for s in stride))
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
-        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, scale, cfg, common)
+        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, stride, scale, cfg,
+                        common)
         return dq, dk, dv
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
         q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, delta, dq,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
         *dq.stride()[:5],
-        T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
+        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
         HAS_DLSE=grad_lse is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
@@ -152,14 +158,14 @@ def na3d_backward(
         q, k, v, grad_out, lse, delta, dk, dv,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
-        T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
+        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     return dq, dk, dv
 
 
-def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, scale, cfg, common):
+def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, stride, scale, cfg, common):
     """``delta``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
     from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_fused_kernel
@@ -179,7 +185,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_
         q, k, v, grad_out, lse, delta, dq_acc, dk, dv,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
-        T, H, W, KT, KH, KW, tiles[1], tiles[2], scale * LOG2_E, scale,
+        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)

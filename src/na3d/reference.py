@@ -42,6 +42,7 @@ def na3d_brute_force(
     is_causal: Sequence[bool] = (False, False, False),
     compute_dtype: Optional[torch.dtype] = torch.float64,
     return_lse: bool = False,
+    stride: Sequence[int] = (1, 1, 1),
 ):
     """Dense masked attention over the whole grid; ``compute_dtype=None`` keeps q's dtype.
 
@@ -52,7 +53,7 @@ def na3d_brute_force(
     n = T * H * W
     cdt = compute_dtype or q.dtype
     scale = HD ** -0.5 if scale is None else scale
-    mask = geometry.neighborhood_mask((T, H, W), kernel_size, dilation, is_causal, device=q.device)
+    mask = geometry.neighborhood_mask((T, H, W), kernel_size, dilation, is_causal, device=q.device, stride=stride)
 
     def heads_first(x):
         return x.reshape(B, n, x.shape[-2], x.shape[-1]).transpose(1, 2).to(cdt)
@@ -76,14 +77,17 @@ def na3d_brute_force(
 # ----------------------------------------------------------------------------------
 
 def _classes_1d(first: int, stop: int, length: int, kernel_size: int,
-                is_causal: bool = False) -> Tuple[Tuple[int, int], ...]:
+                is_causal: bool = False, stride: int = 1) -> Tuple[Tuple[int, int], ...]:
     """Split queries ``[first, stop)`` into runs of one window geometry.
 
     Queries whose window is pinned to a border (start 0 or ``L - K``) all see the same
     keys, so each border run needs exactly ``K`` keys however long it is; interior
     queries each see their own window, their union growing with the run. Causal
-    axes: the first ``K - 1`` queries (windows clipped at 0) and the rest.
+    axes: the first ``K - 1`` queries (windows clipped at 0) and the rest. Strided
+    axes: one class (the runs' geometries group them).
     """
+    if stride != 1:
+        return ((first, stop),)
     if is_causal:
         cuts = sorted({first, stop, min(max(kernel_size - 1, first), stop)})
         return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
@@ -93,7 +97,7 @@ def _classes_1d(first: int, stop: int, length: int, kernel_size: int,
     return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
 
 
-def _runs_1d(classes, extent: int, length: int, kernel_size: int, is_causal: bool = False):
+def _runs_1d(classes, extent: int, length: int, kernel_size: int, is_causal: bool = False, stride: int = 1):
     """Runs of at most ``extent`` queries inside each class, grouped by geometry.
 
     Returns ``{geometry: [(first, stop, union_start, union_stop), ...]}`` where the
@@ -104,7 +108,7 @@ def _runs_1d(classes, extent: int, length: int, kernel_size: int, is_causal: boo
     for lo, hi in classes:
         for a in range(lo, hi, extent):
             b = min(a + extent, hi)
-            bounds = [geometry.window_bounds(i, length, kernel_size, 1, is_causal) for i in range(a, b)]
+            bounds = [geometry.window_bounds(i, length, kernel_size, 1, is_causal, stride) for i in range(a, b)]
             u0, u1 = bounds[0][0], bounds[-1][1]
             geo = tuple((s - u0, e - u0) for s, e in bounds) + (u1 - u0,)
             groups.setdefault(geo, []).append((a, b, u0, u1))
@@ -112,12 +116,13 @@ def _runs_1d(classes, extent: int, length: int, kernel_size: int, is_causal: boo
 
 
 @functools.lru_cache(maxsize=4096)
-def _max_union_1d(lo: int, hi: int, extent: int, length: int, kernel_size: int, is_causal: bool) -> int:
+def _max_union_1d(lo: int, hi: int, extent: int, length: int, kernel_size: int, is_causal: bool,
+                  stride: int = 1) -> int:
     """Largest union-of-windows length over the runs of ``extent`` queries tiling [lo, hi)."""
     best = 0
     for first in range(lo, hi, extent):
         last = min(first + extent, hi) - 1
-        start, stop = geometry.union_of_windows(first, last, length, kernel_size, is_causal)
+        start, stop = geometry.union_of_windows(first, last, length, kernel_size, is_causal, stride)
         best = max(best, stop - start)
     return best
 
@@ -146,6 +151,7 @@ def _plan_tiles(
     memory_budget: int,
     on_gpu: bool,
     is_causal: Tuple[bool, bool, bool] = (False, False, False),
+    stride: Triple = (1, 1, 1),
 ) -> Tuple[Triple, int, int]:
     """Pick query-box extents (t, h, w) and a (batch, head) chunk under the budget.
 
@@ -167,8 +173,8 @@ def _plan_tiles(
         best = None
         for ext in itertools.product(*options):
             unions = [
-                max(_max_union_1d(a, b, e, L, K, c) for a, b in cls)
-                for cls, e, L, K, c in zip(classes, ext, shape, kernel_size, is_causal)
+                max(_max_union_1d(a, b, e, L, K, c, st) for a, b in cls)
+                for cls, e, L, K, c, st in zip(classes, ext, shape, kernel_size, is_causal, stride)
             ]
             nq, nk = math.prod(ext), math.prod(unions)
             if _box_bytes(nq, nk, bsz * hsz, head_dim, elt) > memory_budget:
@@ -187,15 +193,15 @@ def _plan_tiles(
     )
 
 
-def _box_mask(runs, shape: Triple, kernel_size: Triple, is_causal, device: torch.device) -> torch.Tensor:
+def _box_mask(runs, shape: Triple, kernel_size: Triple, is_causal, stride, device: torch.device) -> torch.Tensor:
     """Boolean ``[nq, nk]`` mask of a box: the product of its three 1-D band masks.
 
     Built from device-side aranges (no host-to-device copies, hence no sync).
     """
     full = None
     sizes_q, sizes_k = [], []
-    for d, ((a, b, u0, u1), L, K, c) in enumerate(zip(runs, shape, kernel_size, is_causal)):
-        starts, stops = geometry.window_bounds(torch.arange(a, b, device=device), L, K, 1, c)
+    for d, ((a, b, u0, u1), L, K, c, st) in enumerate(zip(runs, shape, kernel_size, is_causal, stride)):
+        starts, stops = geometry.window_bounds(torch.arange(a, b, device=device), L, K, 1, c, st)
         key = torch.arange(u0, u1, device=device)
         m = (key[None, :] >= starts[:, None]) & (key[None, :] < stops[:, None])
         view = [1] * 6
@@ -216,6 +222,7 @@ def na3d_sdpa_exact(
     memory_budget: int = 1 << 30,
     return_lse: bool = False,
     is_causal: Sequence[bool] = (False, False, False),
+    stride: Sequence[int] = (1, 1, 1),
 ):
     """Exact neighborhood attention from grouped ``F.scaled_dot_product_attention`` calls.
 
@@ -226,7 +233,8 @@ def na3d_sdpa_exact(
 
     ``return_lse=True`` also returns the natural-log log-sum-exp ``(B, T, H, Wq, NH)``
     in float32 (from the box's masked scores, computed once more for it).
-    ``is_causal`` (per axis T, H, W) selects causal windows along that axis.
+    ``is_causal`` (per axis T, H, W) selects causal windows along that axis,
+    ``stride`` NATTEN's window-sharing stride per axis.
 
     Memory: the temporaries of any single step (box copies, one mask, attention
     intermediates; see ``_box_bytes``) stay under ``memory_budget`` bytes, on top of
@@ -242,11 +250,14 @@ def na3d_sdpa_exact(
     shape = (T, H, W)
     kernel_size = tuple(int(x) for x in kernel_size)
     is_causal = tuple(bool(c) for c in is_causal)
+    stride = tuple(int(s) for s in stride)
     q_ranges = [(0, T), (0, H), (w_offset, w_offset + Wq)]
-    classes = tuple(_classes_1d(a, b, L, K, c) for (a, b), L, K, c in zip(q_ranges, shape, kernel_size, is_causal))
+    classes = tuple(_classes_1d(a, b, L, K, c, st)
+                    for (a, b), L, K, c, st in zip(q_ranges, shape, kernel_size, is_causal, stride))
     ext, bsz, hsz = _plan_tiles(classes, shape, kernel_size, B, NH, HD, q.element_size(),
-                                memory_budget, q.is_cuda, is_causal)
-    per_dim = [_runs_1d(cl, e, L, K, c) for cl, e, L, K, c in zip(classes, ext, shape, kernel_size, is_causal)]
+                                memory_budget, q.is_cuda, is_causal, stride)
+    per_dim = [_runs_1d(cl, e, L, K, c, st)
+               for cl, e, L, K, c, st in zip(classes, ext, shape, kernel_size, is_causal, stride)]
 
     # Without autograd, boxes are written into the output in place. With it, they are
     # kept and joined by one torch.cat per dimension: in-place slice writes would make
@@ -257,7 +268,7 @@ def na3d_sdpa_exact(
     pieces: Dict[tuple, torch.Tensor] = {}
     lse_pieces: Dict[tuple, torch.Tensor] = {}
     for groups in itertools.product(*(g.values() for g in per_dim)):
-        mask = _box_mask([runs[0] for runs in groups], shape, kernel_size, is_causal, q.device)
+        mask = _box_mask([runs[0] for runs in groups], shape, kernel_size, is_causal, stride, q.device)
         for box in itertools.product(*groups):
             (t0, t1, ut0, ut1), (h0, h1, uh0, uh1), (w0, w1, uw0, uw1) = box
             qw0, qw1 = w0 - w_offset, w1 - w_offset

@@ -40,6 +40,7 @@ def na3d_bwd_dq_kernel(
     stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
     T, H, W,
     KT, KH, KW,
+    ST, SH, SW,
     tiles_h, tiles_w,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr,
@@ -47,6 +48,7 @@ def na3d_bwd_dq_kernel(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
@@ -64,9 +66,9 @@ def na3d_bwd_dq_kernel(
     # the forward kernel).
     t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
                                                      Q_T, Q_H, Q_W)
-    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, CAUSAL_T)
-    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, CAUSAL_H)
-    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, CAUSAL_W)
+    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
+    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
+    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
     steps_h = tl.cdiv(uh1 - uh0, KV_H)
     steps_w = tl.cdiv(uw1 - uw0, KV_W)
     n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
@@ -105,7 +107,8 @@ def na3d_bwd_dq_kernel(
                     mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
                     mask=d_ok[None, :], other=0.0)
-        visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, CAUSAL_T, CAUSAL_H, CAUSAL_W)
+        visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                       CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -128,6 +131,7 @@ def na3d_bwd_dkdv_kernel(
     stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
     T, H, W,
     KT, KH, KW,
+    ST, SH, SW,
     tiles_h, tiles_w,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr,
@@ -135,6 +139,7 @@ def na3d_bwd_dkdv_kernel(
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -150,9 +155,9 @@ def na3d_bwd_dkdv_kernel(
     # stored, and no stored row depends on them.
     t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
                                                      K_T, K_H, K_W)
-    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, CAUSAL_T)
-    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, CAUSAL_H)
-    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, CAUSAL_W)
+    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
+    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
+    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
@@ -189,8 +194,8 @@ def na3d_bwd_dkdv_kernel(
         rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
         lse2 = tl.load(LSE + rows) * LOG2_E
         delta = tl.load(DELTA + rows)
-        visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW,
-                                          CAUSAL_T, CAUSAL_H, CAUSAL_W)
+        visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                          CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
@@ -254,6 +259,7 @@ def na3d_bwd_fused_kernel(
     stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
     T, H, W,
     KT, KH, KW,
+    ST, SH, SW,
     tiles_h, tiles_w,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr,
@@ -261,6 +267,7 @@ def na3d_bwd_fused_kernel(
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). The dK/dV kernel's scan, plus each step's
     ``dS^T K`` (unscaled) added atomically into ``DQ_ACC``: float32, contiguous
@@ -273,9 +280,9 @@ def na3d_bwd_fused_kernel(
     heads = tl.num_programs(1)
     t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
                                                      K_T, K_H, K_W)
-    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, CAUSAL_T)
-    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, CAUSAL_H)
-    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, CAUSAL_W)
+    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
+    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
+    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
@@ -314,7 +321,8 @@ def na3d_bwd_fused_kernel(
         delta = tl.load(DELTA + rows)
         # Keys past the grid's end (repeats of the last one) must not reach dQ either.
         visible = (k_valid[:, None] & q_in[None, :]
-                   & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, CAUSAL_T, CAUSAL_H, CAUSAL_W))
+                   & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                             CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED))
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")

@@ -3,7 +3,9 @@
 They are the kernels' copies of ``na3d.geometry`` (kept in step with it by
 ``tests/test_geometry.py``) plus the box bookkeeping every kernel starts with.
 A ``CAUSAL`` flag is a compile-time constant: a causal axis costs nothing on the
-others, and the non-causal code is unchanged by it.
+others, and the non-causal code is unchanged by it. So is ``STRIDED`` (some axis
+has a NATTEN stride > 1): without it the stride arguments are never read and the
+code is that of stride 1.
 """
 
 import triton
@@ -17,38 +19,54 @@ def window_start(index, length, kernel_size):
 
 
 @triton.jit
-def window_bounds(index, length, kernel_size, CAUSAL: tl.constexpr):
+def window_bounds(index, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr):
     """``na3d.geometry.window_bounds`` at dilation 1: the keys ``[start, stop)`` that
-    query ``index`` sees. Causal: the ``K`` positions ending at the query, clipped at 0."""
+    query ``index`` sees. Causal: the ``K`` positions ending at the query, clipped at
+    0. Strided: the window of the query's stride-group leader (causal: only the
+    start moves)."""
+    leader = index
+    if STRIDED:
+        if CAUSAL:
+            leader = tl.minimum((index // stride) * stride + stride - 1, length - 1)
+        else:
+            leader = tl.minimum((index // stride) * stride + stride // 2, length - 1)
     if CAUSAL:
-        start = tl.maximum(index - kernel_size + 1, 0)
+        start = tl.maximum(leader - kernel_size + 1, 0)
         stop = index + 1
     else:
-        start = window_start(index, length, kernel_size)
+        start = window_start(leader, length, kernel_size)
         stop = start + kernel_size
     return start, stop
 
 
 @triton.jit
-def union_of_windows(first, last, length, kernel_size, CAUSAL: tl.constexpr):
+def union_of_windows(first, last, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr):
     """``na3d.geometry.union_of_windows``: ``[start, stop)`` covering the windows of
     queries ``first..last``. Both window ends never decrease with the query index."""
-    start, _ = window_bounds(first, length, kernel_size, CAUSAL)
-    _, stop = window_bounds(last, length, kernel_size, CAUSAL)
+    start, _ = window_bounds(first, length, kernel_size, stride, CAUSAL, STRIDED)
+    _, stop = window_bounds(last, length, kernel_size, stride, CAUSAL, STRIDED)
     return start, stop
 
 
 @triton.jit
-def queries_seeing(first_key, last_key, length, kernel_size, CAUSAL: tl.constexpr):
+def queries_seeing(first_key, last_key, length, kernel_size, stride, CAUSAL: tl.constexpr,
+                   STRIDED: tl.constexpr):
     """``na3d.geometry.queries_seeing``: the ``[first, stop)`` queries whose windows
-    contain a key of ``first_key..last_key``."""
+    contain a key of ``first_key..last_key`` (every quantity divided is >= 0)."""
     if CAUSAL:
         first = first_key
         stop = tl.minimum(last_key + kernel_size, length)
+        if STRIDED:
+            stop = tl.where(last_key + kernel_size >= length, length,
+                            tl.minimum(length, ((last_key + kernel_size - stride) // stride + 1) * stride))
     else:
         lowest_start = first_key - kernel_size + 1
         first = tl.where(lowest_start <= 0, 0, lowest_start + kernel_size // 2)
         stop = tl.where(last_key >= length - kernel_size, length, last_key + kernel_size // 2 + 1)
+        if STRIDED:
+            first = tl.cdiv(tl.maximum(first - stride // 2, 0), stride) * stride
+            stop = tl.where(stop >= length, length,
+                            tl.minimum(length, tl.cdiv(tl.maximum(stop - stride // 2, 0), stride) * stride))
     return first, stop
 
 
@@ -93,24 +111,24 @@ def scan_position(step, steps_h, steps_w, start_t, start_h, start_w,
 
 
 @triton.jit
-def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW,
-         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr):
+def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr):
     """Boolean [queries, keys] matrix: query (qt, qh, qw)[i] sees key (kt, kh, kw)[j]."""
-    st, et = window_bounds(qt, T, KT, CAUSAL_T)
-    sh, eh = window_bounds(qh, H, KH, CAUSAL_H)
-    sw, ew = window_bounds(qw, W, KW, CAUSAL_W)
+    st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
+    sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
+    sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
     return ((kt[None, :] >= st[:, None]) & (kt[None, :] < et[:, None])
             & (kh[None, :] >= sh[:, None]) & (kh[None, :] < eh[:, None])
             & (kw[None, :] >= sw[:, None]) & (kw[None, :] < ew[:, None]))
 
 
 @triton.jit
-def seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW,
-            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr):
+def seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr):
     """The transpose of :func:`sees`, built directly: [keys, queries]."""
-    st, et = window_bounds(qt, T, KT, CAUSAL_T)
-    sh, eh = window_bounds(qh, H, KH, CAUSAL_H)
-    sw, ew = window_bounds(qw, W, KW, CAUSAL_W)
+    st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
+    sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
+    sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
     return ((kt[:, None] >= st[None, :]) & (kt[:, None] < et[None, :])
             & (kh[:, None] >= sh[None, :]) & (kh[:, None] < eh[None, :])
             & (kw[:, None] >= sw[None, :]) & (kw[:, None] < ew[None, :]))

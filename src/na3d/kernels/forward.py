@@ -19,6 +19,7 @@ def na3d_fwd_kernel(
     stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
     T, H, W,
     KT, KH, KW,
+    ST, SH, SW,
     tiles_h, tiles_w,
     qk_scale,
     HEAD_DIM: tl.constexpr,
@@ -26,6 +27,7 @@ def na3d_fwd_kernel(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
@@ -45,9 +47,9 @@ def na3d_fwd_kernel(
 
     # The windows of the box's queries span one box of keys, [u0, u1) per axis
     # (window ends never decrease with the query index).
-    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, CAUSAL_T)
-    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, CAUSAL_H)
-    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, CAUSAL_W)
+    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
+    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
+    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
     steps_h = tl.cdiv(uh1 - uh0, KV_H)
     steps_w = tl.cdiv(uw1 - uw0, KV_W)
     n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
@@ -74,7 +76,8 @@ def na3d_fwd_kernel(
         k = tl.load(k_base + (pt * stride_kt + ph * stride_kh + pw * stride_kw)[:, None] + d[None, :],
                     mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, CAUSAL_T, CAUSAL_H, CAUSAL_W)
+        visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                       CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes
