@@ -1,0 +1,88 @@
+"""Do two revisions compile the kernels to the same sm90 instructions?
+
+    python benchmarks/compare_ptx.py OLD_REV [NEW_REV]   # NEW_REV default: the working tree
+
+Compiles the forward, dQ and dK/dV kernels for sm90 (no GPU needed) with every
+configuration of the sm90 table, non-causal, stride 1, at both revisions, and
+compares the PTX instructions (parameter numbering, comments and debug sections
+ignored). Identical instructions mean a benchmark measured at one revision holds
+for the other. Uses ``git worktree`` for the old revision.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+DUMP = r'''
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+root = sys.argv[1]
+sys.path[:0] = [root + "/src", root + "/tests"]
+import test_compile_targets as t
+from triton.backends.compiler import GPUTarget
+from na3d.kernels.forward import na3d_fwd_kernel
+from na3d.kernels.backward import na3d_bwd_dq_kernel, na3d_bwd_dkdv_kernel
+# Flags a revision's kernels do not have are left out (older code had none).
+flags = {f: False for f in ("CAUSAL_T", "CAUSAL_H", "CAUSAL_W", "STRIDED") if f in na3d_fwd_kernel.arg_names}
+tgt = GPUTarget("cuda", 90, 32)
+res = {}
+for entry in t.configs_for("sm90"):
+    bucket, (qt, kt, w, st, hd) = entry[0], entry[1]
+    base = dict(HEAD_DIM=hd, BLOCK_D=hd, **flags)
+    tiles = dict(Q_T=qt[0], Q_H=qt[1], Q_W=qt[2], KV_T=kt[0], KV_H=kt[1], KV_W=kt[2])
+    dual = dict(K_T=qt[0], K_H=qt[1], K_W=qt[2], Q_T=kt[0], Q_H=kt[1], Q_W=kt[2])
+    res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles), w, st).asm["ptx"]
+    res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles), w,
+                                        max(1, st - 1)).asm["ptx"]
+    res[bucket + "/dkdv"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)).asm["ptx"]
+print(json.dumps(res))
+'''
+
+
+def instructions(ptx: str):
+    body = re.split(r"\.section\s+\.debug", ptx)[0]
+    keep = [line for line in body.splitlines()
+            if ".param" not in line and not line.strip().startswith("//") and ".loc" not in line
+            and ".file" not in line]
+    return [re.sub(r"_param_\d+", "_param_N", line) for line in keep]
+
+
+def dump(root: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", DUMP, root], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    roots, trees = [], []
+    for rev in sys.argv[1:3]:
+        tree = tempfile.mkdtemp(prefix="na3d-rev-")
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", tree, rev], cwd=repo, check=True)
+        roots.append(tree)
+        trees.append(tree)
+    if len(roots) == 1:
+        roots.append(repo)
+    try:
+        old, new = dump(roots[0]), dump(roots[1])
+    finally:
+        for tree in trees:
+            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=repo)
+    same = True
+    for key in old:
+        a, b = instructions(old[key]), instructions(new.get(key, ""))
+        ok = a == b
+        same &= ok
+        print(f"{key:24} {len(a):6} instructions  {'same' if ok else 'DIFFERENT'}")
+    print("identical" if same else "different")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
