@@ -326,3 +326,64 @@ def test_strides_match_natten():
         got = na3d.na3d(q, k, v, kernel, stride=stride, is_causal=causal)
         want = natten.na3d(q, k, v, kernel_size=kernel, stride=stride, is_causal=causal)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def dense_with_extra_tokens(q, k, v, ek, ev, kernel, scale, **features):
+    """float64 oracle: masked dense attention over the grid plus the extra tokens."""
+    B, T, H, W, NH, HD = q.shape
+    n, group = T * H * W, NH // k.shape[4]
+    keys = torch.cat([k.reshape(B, n, -1, HD), ek], 1).double().repeat_interleave(group, 2).transpose(1, 2)
+    vals = torch.cat([v.reshape(B, n, -1, HD), ev], 1).double().repeat_interleave(group, 2).transpose(1, 2)
+    mask = torch.cat([na3d.geometry.neighborhood_mask((T, H, W), kernel, features.get("dilation"),
+                                                      features.get("is_causal"), stride=features.get("stride")),
+                      torch.ones(n, ek.shape[1], dtype=torch.bool)], 1)
+    s = (q.reshape(B, n, NH, HD).double().transpose(1, 2) @ keys.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    out = (torch.softmax(s, -1) @ vals).transpose(1, 2).reshape(q.shape)
+    return out, torch.logsumexp(s, -1).transpose(1, 2).reshape(q.shape[:5])
+
+
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_additional_keys_forward_and_backward(path, kv_heads, monkeypatch):
+    if path == "reference":
+        on_reference_path(monkeypatch)
+    elif not KERNELS_RUN:
+        pytest.skip("no GPU and the Triton interpreter is not active")
+    device = DEVICE if path == "kernels" else "cpu"
+    shape, kernel, features = (2, 3, 5, 6, 2, 16), (3, 3, 4), dict(is_causal=(True, False, False), stride=(1, 2, 1))
+    q, k, v = make_qkv(shape, torch.float32, device=device, seed=43)
+    k, v = k[..., :kv_heads, :], v[..., :kv_heads, :]
+    gen = torch.Generator().manual_seed(44)
+    ek, ev = (torch.randn(2, 5, kv_heads, 16, generator=gen).to(device) for _ in range(2))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, ek, ev)]
+    out, lse = na3d.na3d(*leaves[:3], kernel, additional_keys=leaves[3], additional_values=leaves[4],
+                         return_lse=True, **features)
+    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, ek, ev)]
+    want, want_lse = dense_with_extra_tokens(*ref, kernel, 0.25, **features)
+    torch.testing.assert_close(out.detach().cpu().double(), want.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.detach().cpu().double(), want_lse.detach(), rtol=0, atol=1e-5)
+    grad_out = torch.randn(shape, generator=gen)
+    (out * grad_out.to(device)).sum().backward()
+    (want * grad_out.double()).sum().backward()
+    for got, exp in zip(leaves, ref):
+        torch.testing.assert_close(got.grad.cpu().double(), exp.grad, rtol=0, atol=5e-5)
+
+
+def test_additional_keys_match_natten_and_are_validated():
+    gen = torch.Generator().manual_seed(45)
+    q, k, v = (torch.randn(1, 4, 5, 6, 2, 16, generator=gen) for _ in range(3))
+    ek, ev = (torch.randn(1, 7, 2, 16, generator=gen) for _ in range(2))
+    with pytest.raises(ValueError, match="together"):
+        na3d.na3d(q, k, v, 3, additional_keys=ek)
+    with pytest.raises(ValueError, match=r"additional_values must have shape \(B, S, NKV, HD\)"):
+        na3d.na3d(q, k, v, 3, additional_keys=ek, additional_values=ev[..., :8])
+    with pytest.raises(ValueError, match="same number of tokens"):
+        na3d.na3d(q, k, v, 3, additional_keys=ek, additional_values=ev[:, :3])
+    natten = pytest.importorskip("natten")
+    got = na3d.na3d(q, k, v, (3, 2, 4), additional_keys=ek, additional_values=ev)
+    want = natten.na3d(q, k, v, kernel_size=(3, 2, 4), additional_keys=ek, additional_values=ev)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    x = [torch.randn(1, 11, 2, 16, generator=gen) for _ in range(3)]
+    torch.testing.assert_close(na3d.na1d(*x, 3, additional_keys=ek, additional_values=ev),
+                               natten.na1d(*x, 3, additional_keys=ek, additional_values=ev), rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import launch, ops, reference
+from .merge import merge_attentions
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -136,6 +137,8 @@ def na3d(
     dilation: IntOrTriple = 1,
     is_causal: BoolOrTriple = False,
     scale: Optional[float] = None,
+    additional_keys: Optional[torch.Tensor] = None,
+    additional_values: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ):
     """3D neighborhood attention with NATTEN's signature and semantics.
@@ -156,7 +159,10 @@ def na3d(
     query's) and ``stride`` (NATTEN's: the queries of each group of ``stride`` along
     an axis share the window of the group's center, or of its last query on a causal
     axis; ``1 <= stride <= kernel_size``; the output keeps the input's size) are
-    supported. Causal masks and strides are in the kernels; dilation and GQA are
+    supported, and so are NATTEN's ``additional_keys``/``additional_values``
+    (``(B, S, NKV, HD)`` tokens every query also attends to, e.g. text or registers:
+    dense attention over them merged with the neighborhood through the
+    log-sum-exps). Causal masks and strides are in the kernels; dilation and GQA are
     composed from the dilation-1, equal-heads kernel (one launch per dilation group
     and per key/value head, inputs as strided views).
     """
@@ -170,7 +176,54 @@ def na3d(
         raise TypeError(f"scale={scale!r} must be a finite float or None")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
-    return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse)
+    _check_additional(query, key, additional_keys, additional_values)
+    if additional_keys is None:
+        return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse)
+    out, lse = _dilated(query, key, value, ks, dil, causal, st, float(scale), True)
+    extra_out, extra_lse = _attend_additional(query, additional_keys, additional_values, float(scale))
+    out, lse = merge_attentions([out, extra_out], [lse, extra_lse])
+    return (out, lse) if return_lse else out
+
+
+def _check_additional(query, key, additional_keys, additional_values) -> None:
+    if (additional_keys is None) != (additional_values is None):
+        raise ValueError("additional_keys and additional_values must be given together (or neither)")
+    if additional_keys is None:
+        return
+    B, NKV, HD = query.shape[0], key.shape[4], query.shape[5]
+    for name, t in (("additional_keys", additional_keys), ("additional_values", additional_values)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4 or t.shape[0] != B or t.shape[2] != NKV or t.shape[3] != HD or t.shape[1] < 1:
+            raise ValueError(f"{name} must have shape (B, S, NKV, HD) = ({B}, S >= 1, {NKV}, {HD}) like key's "
+                             f"batch, heads and head dim; got {name}.shape={tuple(t.shape)}")
+        if t.dtype != query.dtype or t.device != query.device:
+            raise ValueError(f"{name} must have query's dtype and device ({query.dtype}, {query.device}); "
+                             f"got {t.dtype}, {t.device}")
+    if additional_keys.shape[1] != additional_values.shape[1]:
+        raise ValueError(f"additional_keys and additional_values must have the same number of tokens; got "
+                         f"{additional_keys.shape[1]} and {additional_values.shape[1]}")
+
+
+def _attend_additional(query, keys, values, scale: float, score_budget: int = 1 << 26):
+    """Dense attention of every query over the additional tokens: ``(out, lse)`` in
+    na3d's layouts, float32 softmax, differentiable. Queries go in chunks so that
+    the float32 scores stay under ``score_budget`` elements."""
+    B, T, H, W, NH, HD = query.shape
+    S, NKV = keys.shape[1], keys.shape[2]
+    if NH != NKV:  # grouped-query attention: the extra tokens are few, repeating them is cheap
+        keys, values = (x.repeat_interleave(NH // NKV, dim=2) for x in (keys, values))
+    q = query.reshape(B, T * H * W, NH, HD)
+    kf, vf = keys.float(), values.float()
+    chunk = max(1, score_budget // max(1, B * NH * S))
+    outs, lses = [], []
+    for n0 in range(0, q.shape[1], chunk):
+        scores = torch.einsum("bnhd,bshd->bhns", q[:, n0:n0 + chunk].float(), kf) * scale
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.einsum("bhns,bshd->bnhd", torch.exp(scores - lse[..., None]), vf))
+        lses.append(lse.transpose(1, 2))
+    out = torch.cat(outs, 1).reshape(B, T, H, W, NH, HD).to(query.dtype)
+    return out, torch.cat(lses, 1).reshape(B, T, H, W, NH)
 
 
 def _dilated(q, k, v, kernel_size, dilation, causal, stride, scale: float, return_lse: bool):
@@ -241,7 +294,7 @@ def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_si
 
 
 def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_size, stride, dilation,
-                is_causal, scale, return_lse):
+                is_causal, scale, return_lse, additional_keys=None, additional_values=None):
     """na1d / na2d as na3d on views with unit leading spatial axes (no copies)."""
     n = rank - 3
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -255,7 +308,8 @@ def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_
     dil = pad + _ntuple(dilation, n, "dilation", int)
     causal = (False,) * (3 - n) + _ntuple(is_causal, n, "is_causal", bool)
     lift = (slice(None),) + (None,) * (3 - n)
-    result = na3d(query[lift], key[lift], value[lift], ks, st, dil, causal, scale, return_lse)
+    result = na3d(query[lift], key[lift], value[lift], ks, st, dil, causal, scale, additional_keys,
+                  additional_values, return_lse=return_lse)
     drop = (slice(None),) + (0,) * (3 - n)
     if return_lse:
         return result[0][drop], result[1][drop]
@@ -263,22 +317,22 @@ def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_
 
 
 def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         return_lse=False):
+         additional_keys=None, additional_values=None, return_lse=False):
     """1D neighborhood attention on ``(B, L, NH, HD)`` tensors, ``natten.na1d``'s signature.
 
     Runs the 3D kernels on ``(B, 1, 1, L, NH, HD)`` views; same semantics, support and
     errors as :func:`na3d`.
     """
     return _lower_rank("na1d", 4, "(B, L, NH, HD)", query, key, value, kernel_size, stride, dilation,
-                       is_causal, scale, return_lse)
+                       is_causal, scale, return_lse, additional_keys, additional_values)
 
 
 def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         return_lse=False):
+         additional_keys=None, additional_values=None, return_lse=False):
     """2D neighborhood attention on ``(B, X, Y, NH, HD)`` tensors, ``natten.na2d``'s signature.
 
     Runs the 3D kernels on ``(B, 1, X, Y, NH, HD)`` views; same semantics, support and
     errors as :func:`na3d`.
     """
     return _lower_rank("na2d", 5, "(B, X, Y, NH, HD)", query, key, value, kernel_size, stride, dilation,
-                       is_causal, scale, return_lse)
+                       is_causal, scale, return_lse, additional_keys, additional_values)
