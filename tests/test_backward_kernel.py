@@ -54,7 +54,7 @@ BWD_TILINGS = [
 def test_backward_tilings_cut_by_borders(config):
     shape, kernel = (1, 3, 9, 7, 1, 16), (3, 5, 3)
     q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=5)
-    grad_out = torch.randn(shape).to(DEVICE)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     grads = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
 
@@ -63,7 +63,7 @@ def test_backward_tilings_cut_by_borders(config):
 def test_autograd_through_public_api_on_strided_views(layout):
     shape, kernel = (2, 3, 4, 5, 2, 16), (3, 3, 3)
     q, k, v = make_qkv(shape, torch.float32, layout, device=DEVICE, seed=3)
-    grad_out = torch.randn(shape).to(DEVICE)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     grads = grads_of(lambda a, b, c: na3d.na3d(a, b, c, kernel), q, k, v, grad_out)
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 16 ** -0.5)
 
@@ -95,7 +95,7 @@ def test_gradient_through_lse(dtype):
 def test_backward_is_deterministic():
     shape, kernel = (1, 3, 5, 7, 2, 16), (3, 3, 5)
     q, k, v = make_qkv(shape, torch.float16, device=DEVICE, seed=1)
-    grad_out = torch.randn(shape, dtype=torch.float16).to(DEVICE)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(12)).half().to(DEVICE)
     a = kernel_grads(q, k, v, grad_out, kernel, 0.25)
     b = kernel_grads(q, k, v, grad_out, kernel, 0.25)
     for x, y in zip(a, b):
@@ -167,7 +167,7 @@ def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
 
     shape, kernel = (1, 3, 4, 5, 1, 16), (3, 3, 3)
     q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=9)
-    grad_out = torch.randn(shape).to(DEVICE)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     config = dataclasses.replace(BWD_TILINGS[0], fused=True)
     launched = []
     for name in ("na3d_bwd_dq_kernel", "na3d_bwd_fused_kernel"):
