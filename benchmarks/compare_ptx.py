@@ -3,14 +3,14 @@
     python benchmarks/compare_ptx.py OLD_REV [NEW_REV]   # NEW_REV default: the working tree
 
 Compiles the forward, dQ and dK/dV kernels for sm90 (no GPU needed) with every
-configuration of the sm90 table, non-causal, stride 1, at both revisions, and
+configuration of the sm90 table, non-causal, stride 1, deterministic backward, at
+both revisions, and
 compares the PTX instructions (parameter numbering, comments and debug sections
 ignored). Identical instructions mean a benchmark measured at one revision holds
 for the other. Uses ``git worktree`` for the old revision.
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -37,17 +37,27 @@ for entry in t.configs_for("sm90"):
     res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles), w, st).asm["ptx"]
     res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles), w,
                                         max(1, st - 1)).asm["ptx"]
+    if "ACCUMULATE_DQ" in na3d_bwd_dkdv_kernel.arg_names:
+        dual["ACCUMULATE_DQ"] = False
     res[bucket + "/dkdv"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)).asm["ptx"]
 print(json.dumps(res))
 '''
 
 
 def instructions(ptx: str):
+    """The PTX instructions, with parameters and virtual registers renamed in order of
+    first use (an added kernel argument shifts every register number by one)."""
     body = re.split(r"\.section\s+\.debug", ptx)[0]
     keep = [line for line in body.splitlines()
             if ".param" not in line and not line.strip().startswith("//") and ".loc" not in line
             and ".file" not in line]
-    return [re.sub(r"_param_\d+", "_param_N", line) for line in keep]
+    names = {}
+
+    def rename(match):
+        kind = re.match(r"%[a-z]+", match.group(0)).group(0)
+        return names.setdefault(match.group(0), f"{kind}#{sum(k.startswith(kind + '#') for k in names.values())}")
+
+    return [re.sub(r"%[a-z]+\d+", rename, re.sub(r"_param_\d+", "_param_N", line)) for line in keep]
 
 
 def dump(root: str) -> dict:

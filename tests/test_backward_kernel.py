@@ -170,7 +170,7 @@ def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     config = dataclasses.replace(BWD_TILINGS[0], fused=True)
     launched = []
-    for name in ("na3d_bwd_dq_kernel", "na3d_bwd_fused_kernel"):
+    for name in ("na3d_bwd_dq_kernel", "na3d_bwd_dkdv_kernel"):
         real = getattr(kernels, name)
 
         class Spy:
@@ -178,8 +178,11 @@ def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
                 self.real, self.name = real, name
 
             def __getitem__(self, grid):
-                launched.append(self.name)
-                return self.real[grid]
+                def launch(*args, **kwargs):
+                    atomic = " (atomic dQ)" if kwargs.get("ACCUMULATE_DQ") else ""
+                    launched.append(self.name + atomic)
+                    return self.real[grid](*args, **kwargs)
+                return launch
 
         monkeypatch.setattr(kernels, name, Spy(real, name))
     before = torch.are_deterministic_algorithms_enabled()
@@ -188,8 +191,8 @@ def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
         grads = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
     finally:
         torch.use_deterministic_algorithms(before)
-    assert launched == ["na3d_bwd_dq_kernel"]
+    assert launched == ["na3d_bwd_dq_kernel", "na3d_bwd_dkdv_kernel"]
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
     launched.clear()
     kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
-    assert launched == ["na3d_bwd_fused_kernel"]
+    assert launched == ["na3d_bwd_dkdv_kernel (atomic dQ)"]

@@ -73,8 +73,7 @@ CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True)
 
 
 def compile_all(arch):
-    from na3d.kernels.backward import (na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel,
-                                       na3d_bwd_fused_kernel)
+    from na3d.kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
     from na3d.kernels.forward import na3d_fwd_kernel
 
     target, instruction, asm = TARGETS[arch]
@@ -99,9 +98,11 @@ def compile_all(arch):
         dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, **tiles), dq_warps, dq_stages)
         assert instruction in dq.asm[asm], f"{arch} {bucket}: dQ has no {instruction}"
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
-        dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, **dual), dkdv_warps, dkdv_stages)
+        dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, **dual), dkdv_warps,
+                           dkdv_stages)
         assert instruction in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {instruction}"
-        fused = compile_for(na3d_bwd_fused_kernel, target, dict(base, **dual), dkdv_warps, dkdv_stages)
+        fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, **dual), dkdv_warps,
+                            dkdv_stages)
         assert instruction in fused.asm[asm], f"{arch} {bucket}: fused backward has no {instruction}"
         delta = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, HAS_DLSE=True,
                      Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2])

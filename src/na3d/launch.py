@@ -155,20 +155,20 @@ def na3d_backward(
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
     na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, lse, delta, dk, dv,
+        q, k, v, grad_out, lse, delta, dk, dv, dq,  # dq: unused without ACCUMULATE_DQ
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+        ACCUMULATE_DQ=False, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     return dq, dk, dv
 
 
 def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, stride, scale, cfg, common):
     """``delta``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
-    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_fused_kernel
+    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -181,14 +181,14 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_
         HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
     dq_acc = torch.zeros((B, T, H, W, NH, common["BLOCK_D"]), dtype=torch.float32, device=q.device)
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
-    na3d_bwd_fused_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, lse, delta, dq_acc, dk, dv,
+    na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
+        q, k, v, grad_out, lse, delta, dk, dv, dq_acc,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+        ACCUMULATE_DQ=True, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

@@ -11,9 +11,8 @@ Two ways to run them:
   dK/dV over key boxes. Every output element is written by exactly one program,
   which sums its contributions in a fixed order. Seven tile products per (query
   box, key box) pair: both kernels recompute ``Q K^T`` and ``dO V^T``.
-* fused: ``delta`` first, then one pass over key boxes that accumulates dK/dV in
-  registers and adds each step's ``dS^T K`` into a float32 dQ buffer with atomic
-  adds. Five tile products per pair, but the order of the float32 additions into
+* fused: ``delta`` first, then the dK/dV kernel with ``ACCUMULATE_DQ``: it also
+  adds each step's ``dS^T K`` into a float32 dQ buffer with atomic adds. Five tile products per pair, but the order of the float32 additions into
   dQ varies from run to run (results differ in the last bits).
 """
 
@@ -122,7 +121,7 @@ def na3d_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -140,10 +139,16 @@ def na3d_bwd_dkdv_kernel(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
     STRIDED: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
     ``queries_seeing``) in Q_T x Q_H x Q_W boxes.
+
+    With ``ACCUMULATE_DQ`` (the fused backward) each step also adds its ``dS^T K``
+    (unscaled) atomically into ``DQ_ACC``: float32, contiguous
+    ``(B, T, H, W, NH, BLOCK_D)``, zero before the launch. Without it ``DQ_ACC`` is
+    never touched.
     """
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
@@ -152,7 +157,7 @@ def na3d_bwd_dkdv_kernel(
     batch = tl.program_id(2)
     heads = tl.num_programs(1)
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
-    # stored, and no stored row depends on them.
+    # stored, and no stored dK/dV row depends on them (dQ would: see below).
     t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
                                                      K_T, K_H, K_W)
     qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
@@ -196,12 +201,19 @@ def na3d_bwd_dkdv_kernel(
         delta = tl.load(DELTA + rows)
         visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
                                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        if ACCUMULATE_DQ:
+            # Keys past the grid's end (repeats of the last one) must not reach dQ.
+            visible = visible & k_valid[:, None]
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
         dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+        if ACCUMULATE_DQ:
+            dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k, input_precision="ieee")
+            tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
+                          mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
 
     store = k_valid[:, None] & d_ok[None, :]
     dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
@@ -246,97 +258,3 @@ def na3d_bwd_delta_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
     tl.store(DELTA + rows, delta, mask=q_valid)
-
-
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
-def na3d_bwd_fused_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ_ACC, DK, DV,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w,
-    qk_scale, scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-):
-    """Grid: (key tiles, heads, batch). The dK/dV kernel's scan, plus each step's
-    ``dS^T K`` (unscaled) added atomically into ``DQ_ACC``: float32, contiguous
-    ``(B, T, H, W, NH, BLOCK_D)``, zero before the launch."""
-    BLOCK_N: tl.constexpr = K_T * K_H * K_W
-    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
-    tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    heads = tl.num_programs(1)
-    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
-                                                     K_T, K_H, K_W)
-    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
-    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
-    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
-    steps_h = tl.cdiv(qh1 - qh0, Q_H)
-    steps_w = tl.cdiv(qw1 - qw0, Q_W)
-    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
-
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    bh = batch.to(tl.int64)
-    hd = head.to(tl.int64)
-    pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
-    k = tl.load(K + bh * stride_kb + hd * stride_kn
-                + (pos_t * stride_kt + pos_h * stride_kh + pos_w * stride_kw)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
-    v = tl.load(V + bh * stride_vb + hd * stride_vn
-                + (pos_t * stride_vt + pos_h * stride_vh + pos_w * stride_vw)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
-
-    q_base = Q + bh * stride_qb + hd * stride_qn
-    do_base = DO + bh * stride_dob + hd * stride_don
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for step in range(n_steps):
-        qt, qh, qw = scan_position(step, steps_h, steps_w, qt0, qh0, qw0, Q_T, Q_H, Q_W)
-        # Queries past the range repeat its last one: masked out of every product
-        # and of the atomic adds (a duplicate would count twice).
-        q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-        qt = tl.minimum(qt, qt1 - 1)
-        qh = tl.minimum(qh, qh1 - 1)
-        qw = tl.minimum(qw, qw1 - 1)
-        pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-        q = tl.load(q_base + (pt * stride_qt + ph * stride_qh + pw * stride_qw)[:, None] + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-        do = tl.load(do_base + (pt * stride_dot + ph * stride_doh + pw * stride_dow)[:, None] + d[None, :],
-                     mask=d_ok[None, :], other=0.0)
-        rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
-        lse2 = tl.load(LSE + rows) * LOG2_E
-        delta = tl.load(DELTA + rows)
-        # Keys past the grid's end (repeats of the last one) must not reach dQ either.
-        visible = (k_valid[:, None] & q_in[None, :]
-                   & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                             CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED))
-        s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision="ieee")
-        dq_part = tl.dot(tl.trans(ds_t), k, input_precision="ieee")
-        tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
-                      mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
-
-    store = k_valid[:, None] & d_ok[None, :]
-    dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
-               + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
-    dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
-               + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=store)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)
