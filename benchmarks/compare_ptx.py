@@ -34,11 +34,17 @@ for entry in t.configs_for("sm90"):
     base = dict(HEAD_DIM=hd, BLOCK_D=hd, **flags)
     tiles = dict(Q_T=qt[0], Q_H=qt[1], Q_W=qt[2], KV_T=kt[0], KV_H=kt[1], KV_W=kt[2])
     dual = dict(K_T=qt[0], K_H=qt[1], K_W=qt[2], Q_T=kt[0], Q_H=kt[1], Q_W=kt[2])
-    res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles), w, st).asm["ptx"]
-    res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles), w,
+    extra = {f: v for f, v in (("SCALE_SIGN", 1), ("USE_TMA", False)) if f in na3d_fwd_kernel.arg_names}
+    res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra), w,
+                                         st).asm["ptx"]
+    tma = {"USE_TMA": False} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
+    res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma), w,
                                         max(1, st - 1)).asm["ptx"]
     if "ACCUMULATE_DQ" in na3d_bwd_dkdv_kernel.arg_names:
         dual["ACCUMULATE_DQ"] = False
+    dual.update(tma)
+    if "BULK_DQ" in na3d_bwd_dkdv_kernel.arg_names:
+        dual["BULK_DQ"] = False
     res[bucket + "/dkdv"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)).asm["ptx"]
 print(json.dumps(res))
 '''

@@ -59,6 +59,23 @@ def test_backward_tilings_cut_by_borders(config):
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "heads_first"])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_descriptor_and_pointer_loads(layout, tma, fused):
+    # The dQ kernel's key/value boxes and the dK/dV kernel's query/dO boxes load
+    # through tensor descriptors where the layout allows (and the config asks),
+    # through pointers otherwise; boxes overrun the grid and the scanned ranges.
+    # Fused: dQ is added by bulk reductions (descriptors) or per-element atomics.
+    shape, kernel = (2, 3, 5, 7, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float16, layout, device=DEVICE, seed=17)
+    assert launch.tma_layout_ok(q, k, v) == (layout != "heads_first")
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(18)).to(torch.float16).to(DEVICE)
+    config = BackwardConfig((2, 2, 4), (1, 2, 8), (2, 2, 4), (1, 2, 8), 4, 1, fused=fused, tma=tma)
+    grads = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_autograd_through_public_api_on_strided_views(layout):
     shape, kernel = (2, 3, 4, 5, 2, 16), (3, 3, 3)

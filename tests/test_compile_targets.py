@@ -36,17 +36,27 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16
 
 
 def compile_for(kernel, target, constexprs, num_warps, num_stages):
+    """Compile as a launch would: pointers and strides divisible by 16 (what Triton's
+    launcher specializes on for real tensors), descriptors typed by their block."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name.endswith("_DESC"):
+            box = [constexprs.get(f"{'Q' if name in ('Q_DESC', 'DO_DESC', 'DQ_DESC') else 'KV'}_{a}") for a in "THW"]
+            kind = "fp32" if name == "DQ_DESC" else "bf16"
+            on = constexprs.get("BULK_DQ" if name == "DQ_DESC" else "USE_TMA")
+            signature[name] = (f"tensordesc<{kind}[1,{box[0]},{box[1]},{box[2]},{constexprs['BLOCK_D']}]>"
+                               if on else "*bf16")
         elif name in POINTERS:
             signature[name] = POINTERS[name]
         elif name in ("qk_scale", "scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if signature[name].startswith("*") or name.startswith("stride")}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -83,8 +93,12 @@ def compile_all(arch):
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
                     STRIDED=i % 2 == 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
-        fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, **tiles), warps, stages)
-        assert instruction in fwd.asm[asm], f"{arch} {bucket}: forward has no {instruction}"
+        for use_tma in (False, True) if arch == "sm90" else (False,):
+            fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
+                                                            USE_TMA=use_tma, **tiles), warps, stages)
+            assert instruction in fwd.asm[asm], f"{arch} {bucket}: forward has no {instruction}"
+            if use_tma:
+                assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
         dkdv_k, dkdv_q = q_tile, kv_tile
@@ -95,15 +109,20 @@ def compile_all(arch):
             dkdv_warps = bwd.get("dkdv_num_warps", dq_warps)
             dkdv_stages = bwd.get("dkdv_num_stages", dq_stages)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
-        dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, **tiles), dq_warps, dq_stages)
-        assert instruction in dq.asm[asm], f"{arch} {bucket}: dQ has no {instruction}"
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
-        dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, **dual), dkdv_warps,
-                           dkdv_stages)
-        assert instruction in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {instruction}"
-        fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, **dual), dkdv_warps,
-                            dkdv_stages)
-        assert instruction in fused.asm[asm], f"{arch} {bucket}: fused backward has no {instruction}"
+        for use_tma in (False, True) if arch == "sm90" else (False,):
+            dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles),
+                             dq_warps, dq_stages)
+            assert instruction in dq.asm[asm], f"{arch} {bucket}: dQ has no {instruction}"
+            dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **dual),
+                               dkdv_warps, dkdv_stages)
+            assert instruction in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {instruction}"
+            fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
+                                dkdv_warps, dkdv_stages)
+            assert instruction in fused.asm[asm], f"{arch} {bucket}: fused backward has no {instruction}"
+            if use_tma:
+                assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
+                assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"
         delta = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, HAS_DLSE=True,
                      Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2])
         compile_for(na3d_bwd_delta_kernel, target, delta, 4, 1)

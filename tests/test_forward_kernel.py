@@ -54,6 +54,21 @@ def test_forward_strided_views_without_copies(layout):
     assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)
 
 
+@pytest.mark.parametrize("layout,tma_possible", [("contiguous", True), ("fused_qkv", True),
+                                                 ("fused_heads", False), ("heads_first", False)])
+@pytest.mark.parametrize("tma", [False, True])
+def test_forward_descriptor_and_pointer_loads(layout, tma_possible, tma):
+    # Key/value boxes load through tensor descriptors where the layout allows it
+    # (heads packed, 16-byte strides), through pointers otherwise or when the config
+    # says so; the boxes overrun the grid (zero fill) and the union (masked keys).
+    shape, kernel = (2, 3, 5, 7, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float16, layout, device=DEVICE, seed=13)
+    assert launch.tma_layout_ok(k, v) == tma_possible
+    cfg = ForwardConfig((2, 2, 4), (1, 2, 8), num_warps=4, num_stages=2, tma=tma)
+    out, _ = run_poisoned(q, k, v, kernel, 0.25, config=cfg)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)
+
+
 def test_forward_writes_strided_output():
     shape, kernel = (1, 3, 4, 6, 2, 16), (3, 3, 5)
     q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=2)
@@ -90,6 +105,18 @@ def test_forward_lse(dtype):
     _, want = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=0.25, return_lse=True)
     assert lse.shape == shape[:5] and lse.dtype == torch.float32
     torch.testing.assert_close(lse.cpu().double(), want, rtol=0, atol=2e-3 if dtype == torch.float16 else 1e-5)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1e-3])
+def test_forward_scale_of_any_sign(scale):
+    # The kernel takes the row maximum on unscaled scores and picks max or min by
+    # the scale's sign (zero: every visible score is 0, a uniform average).
+    shape, kernel = (1, 3, 5, 6, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=9)
+    out, lse = run_poisoned(q, k, v, kernel, scale, need_lse=True)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale)
+    _, want = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=scale, return_lse=True)
+    torch.testing.assert_close(lse.cpu().double(), want, rtol=0, atol=1e-5)
 
 
 def test_public_api_runs_kernel_and_scale_conventions():

@@ -28,11 +28,15 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
+    """Tiles and launch settings of the forward kernel. ``tma``: load key/value boxes
+    through tensor descriptors where the GPU and the tensors' layout allow (see
+    ``launch.tma_layout_ok``); elsewhere the kernel loads through pointers."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
     num_stages: int
     bucket: str = "explicit"
+    tma: bool = True
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -53,7 +57,8 @@ class BackwardConfig:
     unless ``dkdv_num_warps``/``dkdv_num_stages`` say otherwise. ``fused`` selects the
     one-pass backward (dK/dV tiles and launch settings, dQ added atomically; the dQ
     query box then only sizes the ``delta`` pass); it is not deterministic, and
-    ``torch.use_deterministic_algorithms(True)`` overrides it.
+    ``torch.use_deterministic_algorithms(True)`` overrides it. ``tma``: as in
+    :class:`ForwardConfig`, for the boxes each kernel scans.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -65,6 +70,7 @@ class BackwardConfig:
     dkdv_num_warps: Optional[int] = None
     dkdv_num_stages: Optional[int] = None
     fused: bool = False
+    tma: bool = True
 
     @property
     def dkdv_warps(self) -> int:
@@ -157,7 +163,8 @@ def forward_config(
     q_tile = _fit(entry["q_tile"], shape)
     unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
     kv_tile = _fit(entry["kv_tile"], unions)
-    return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"])
+    return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"],
+                         entry.get("tma", True))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -181,7 +188,7 @@ def backward_config(
     bwd = entry.get("backward")
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
-                              max(1, fwd.num_stages - 1), fwd.bucket)
+                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma)
     return fit_backward(bwd, shape, kernel_size, fwd.bucket)
 
 
@@ -190,11 +197,12 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
-    ``"dkdv_num_stages"``, ``"fused"``.
+    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``.
     """
     dq_q = _fit(bwd["dq"][0], shape)
     dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
     k_box = _fit(bwd["dkdv"][0], shape)
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
-                          bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)))
+                          bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
+                          bool(bwd.get("tma", True)))

@@ -69,8 +69,10 @@ def na3d_forward(
     lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.q_tile)]
     grid = (tiles[0] * tiles[1] * tiles[2], NH, B)
+    use_tma = cfg.tma and tma_layout_ok(k, v)
+    descs = [tensor_descriptor(x, cfg.kv_tile) for x in (k, v)] if use_tma else [k, v]
     na3d_fwd_kernel[grid](
-        q, k, v, out, lse if lse is not None else out,
+        q, k, v, out, lse if lse is not None else out, *descs,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2],
         scale * LOG2_E,
@@ -81,10 +83,47 @@ def na3d_forward(
         CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
         STRIDED=any(s != 1 for s in stride),
         STORE_LSE=need_lse,
+        SCALE_SIGN=(scale > 0) - (scale < 0),
+        USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out, lse
+
+
+def tma_layout_ok(*tensors: torch.Tensor) -> bool:
+    """Can the kernels read these ``(B, T, H, W, NH, HD)`` tensors through tensor
+    descriptors over ``(B, T, H, W, NH * HD)``? Needs a 16-bit dtype, a power-of-two
+    head dim of 16..128, the heads of a position packed (head stride = HD), 16-byte
+    aligned base and strides, and an NVIDIA GPU of compute capability 9.0 or newer
+    (or the Triton interpreter, which emulates the descriptors). Anything else (AMD,
+    older GPUs, padded or odd strides) loads through pointers."""
+    interpreted = kernels_interpreted()
+    if torch.version.hip is not None and not interpreted:
+        return False
+    for x in tensors:
+        if x.dtype not in (torch.float16, torch.bfloat16) or (not x.is_cuda and not interpreted):
+            return False
+        HD = x.shape[-1]
+        if HD not in (16, 32, 64, 128) or x.stride(-1) != 1 or x.stride(-2) != HD:
+            return False
+        if x.data_ptr() % 16 or any(st % 8 or (st <= 0 and n > 1) for st, n in zip(x.stride()[:4], x.shape)):
+            return False
+    return interpreted or torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+
+
+def tensor_descriptor(x: torch.Tensor, box: Sequence[int]):
+    """A tensor descriptor over ``x`` as ``(B, T, H, W, NH * HD)``, loading one head's
+    ``box`` of positions: block ``(1, *box, HD)``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, T, H, W, NH, HD = x.shape
+    sizes = [B, T, H, W, NH * HD]
+    strides = list(x.stride()[:4]) + [1]
+    for i in range(3, -1, -1):  # a size-1 axis may carry any stride: give it a valid one
+        if sizes[i] == 1:
+            strides[i] = strides[i + 1] * sizes[i + 1]
+    return TensorDescriptor(x, sizes, strides, [1, *box, HD])
 
 
 def backward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.BackwardConfig:
@@ -144,24 +183,29 @@ def na3d_backward(
                         common)
         return dq, dk, dv
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
+    use_tma = cfg.tma and tma_layout_ok(k, v)
+    descs = [tensor_descriptor(x, cfg.dq_kv_tile) for x in (k, v)] if use_tma else [k, v]
     na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, delta, dq,
+        q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, delta, dq, *descs,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
         *dq.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
-        HAS_DLSE=grad_lse is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+        HAS_DLSE=grad_lse is not None, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **common)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
+    use_tma = cfg.tma and tma_layout_ok(q, grad_out)
+    descs = [tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out]
     na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, lse, delta, dk, dv, dq,  # dq: unused without ACCUMULATE_DQ
+        q, k, v, grad_out, lse, delta, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=False, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     return dq, dk, dv
 
 
@@ -181,14 +225,19 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_
         HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
     dq_acc = torch.zeros((B, T, H, W, NH, common["BLOCK_D"]), dtype=torch.float32, device=q.device)
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
+    use_tma = cfg.tma and tma_layout_ok(q, grad_out)
+    # The interpreter has no bulk reductions: it adds dQ per element.
+    bulk_dq = use_tma and not kernels_interpreted()
+    descs = ([tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out])
+    descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile) if bulk_dq else dq_acc)
     na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, lse, delta, dk, dv, dq_acc,
+        q, k, v, grad_out, lse, delta, dk, dv, dq_acc, *descs,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=True, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

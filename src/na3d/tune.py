@@ -176,7 +176,7 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
 
 
 def config_key(cfg: configs.ForwardConfig) -> str:
-    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages])
+    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages, cfg.tma])
 
 
 def backward_key(cfg: configs.BackwardConfig) -> str:
@@ -207,9 +207,12 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     for s in members:
         tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
     tiles.discard(current)
-    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate")]
-    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate")
-                   for qt, kt in sorted(tiles) for w, st in launches
+    # Each with key/value boxes loaded through tensor descriptors and through pointers.
+    tma = entry.get("tma", True)
+    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", tma),
+                  configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", not tma)]
+    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag)
+                   for qt, kt in sorted(tiles) for w, st in launches for flag in (True, False)
                    if w == 4 or math.prod(qt) == 128]
     log(f"bucket {entry['bucket']} forward: {len(candidates)} candidates on {[s['name'] for s in members]}")
     results = {}
@@ -218,8 +221,8 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
         torch.cuda.empty_cache()
     names = [s["name"] for s in members]
     choice, slow, best = choose(results, names)
-    qt, kt, warps, stages = json.loads(choice)
-    entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages)
+    qt, kt, warps, stages, tma = json.loads(choice)
+    entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages, tma=tma)
     entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
     log(f"bucket {entry['bucket']} forward: {choice} (geomean slowdown {slow:.3f})")
     return results

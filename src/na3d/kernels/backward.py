@@ -23,14 +23,14 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import box_of_program, queries_seeing, scan_position, seen_by, sees, union_of_windows
+from .common import box_of_program, box_offsets, next_box, queries_seeing, seen_by, sees, union_of_windows
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, K_DESC, V_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -49,11 +49,13 @@ def na3d_bwd_dq_kernel(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
     STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
     It also writes ``delta`` (rowsum(dO * O) - dlse, float32, contiguous
-    ``(B, T, H, W, NH)``) for the dK/dV kernel that runs next.
+    ``(B, T, H, W, NH)``) for the dK/dV kernel that runs next. ``USE_TMA``: key and
+    value boxes through tensor descriptors, as in the forward kernel.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
@@ -96,16 +98,29 @@ def na3d_bwd_dq_kernel(
     k_base = K + bh * stride_kb + hd * stride_kn
     v_base = V + bh * stride_vb + hd * stride_vn
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for step in range(n_steps):
-        kt, kh, kw = scan_position(step, steps_h, steps_w, ut0, uh0, uw0, KV_T, KV_H, KV_W)
-        # Keys past the union repeat its last position and are masked (as forward).
-        pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
-        ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
-        pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
-        k = tl.load(k_base + (pt * stride_kt + ph * stride_kh + pw * stride_kw)[:, None] + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
+    off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
+    i_t = tl.zeros([], tl.int32)
+    i_h = tl.zeros([], tl.int32)
+    i_w = tl.zeros([], tl.int32)
+    for _ in range(n_steps):
+        c_t = ut0 + i_t * KV_T
+        c_h = uh0 + i_h * KV_H
+        c_w = uw0 + i_w * KV_W
+        kt = c_t + off_t
+        kh = c_h + off_h
+        kw = c_w + off_w
+        if USE_TMA:
+            k = K_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+            v = V_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+        else:
+            # Keys past the union repeat its last position and are masked (as forward).
+            pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
+            ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
+            pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
+            k = tl.load(k_base + (pt * stride_kt + ph * stride_kh + pw * stride_kw)[:, None] + d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
+                        mask=d_ok[None, :], other=0.0)
         visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
                        CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -113,6 +128,7 @@ def na3d_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
 
     dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
                + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
@@ -121,7 +137,7 @@ def na3d_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -140,6 +156,8 @@ def na3d_bwd_dkdv_kernel(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
     STRIDED: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BULK_DQ: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -148,7 +166,12 @@ def na3d_bwd_dkdv_kernel(
     With ``ACCUMULATE_DQ`` (the fused backward) each step also adds its ``dS^T K``
     (unscaled) atomically into ``DQ_ACC``: float32, contiguous
     ``(B, T, H, W, NH, BLOCK_D)``, zero before the launch. Without it ``DQ_ACC`` is
-    never touched.
+    never touched. ``USE_TMA``: query and dO boxes through tensor descriptors
+    (block ``(1, Q_T, Q_H, Q_W, HEAD_DIM)``), as in the forward kernel. ``BULK_DQ``
+    (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
+    through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
+    box) instead of an atomic per element; rows of queries outside the scanned
+    range add exact zeros (their ``dS`` is masked to 0).
     """
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
@@ -183,19 +206,32 @@ def na3d_bwd_dkdv_kernel(
     do_base = DO + bh * stride_dob + hd * stride_don
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for step in range(n_steps):
-        qt, qh, qw = scan_position(step, steps_h, steps_w, qt0, qh0, qw0, Q_T, Q_H, Q_W)
-        # Queries past the range repeat its last one; they are masked out (a
-        # duplicate would count twice).
+    off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
+    i_t = tl.zeros([], tl.int32)
+    i_h = tl.zeros([], tl.int32)
+    i_w = tl.zeros([], tl.int32)
+    for _ in range(n_steps):
+        c_t = qt0 + i_t * Q_T
+        c_h = qh0 + i_h * Q_H
+        c_w = qw0 + i_w * Q_W
+        qt = c_t + off_t
+        qh = c_h + off_h
+        qw = c_w + off_w
+        # Queries past the range (neighbours, or repeats of its last one) are masked
+        # out: a duplicate would count twice.
         q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
         qt = tl.minimum(qt, qt1 - 1)
         qh = tl.minimum(qh, qh1 - 1)
         qw = tl.minimum(qw, qw1 - 1)
         pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-        q = tl.load(q_base + (pt * stride_qt + ph * stride_qh + pw * stride_qw)[:, None] + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-        do = tl.load(do_base + (pt * stride_dot + ph * stride_doh + pw * stride_dow)[:, None] + d[None, :],
-                     mask=d_ok[None, :], other=0.0)
+        if USE_TMA:
+            q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+            do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            q = tl.load(q_base + (pt * stride_qt + ph * stride_qh + pw * stride_qw)[:, None] + d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+            do = tl.load(do_base + (pt * stride_dot + ph * stride_doh + pw * stride_dow)[:, None] + d[None, :],
+                         mask=d_ok[None, :], other=0.0)
         rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
         lse2 = tl.load(LSE + rows) * LOG2_E
         delta = tl.load(DELTA + rows)
@@ -212,8 +248,13 @@ def na3d_bwd_dkdv_kernel(
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
         if ACCUMULATE_DQ:
             dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k, input_precision="ieee")
-            tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
-                          mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
+            if BULK_DQ:
+                DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D],
+                                   dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
+            else:
+                tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
+                              mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
+        i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
 
     store = k_valid[:, None] & d_ok[None, :]
     dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn

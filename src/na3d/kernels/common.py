@@ -94,20 +94,31 @@ def box_of_program(tile, tiles_h, tiles_w, T, H, W,
 
 
 @triton.jit
-def scan_position(step, steps_h, steps_w, start_t, start_h, start_w,
-                  BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
-    """Coordinates of the ``step``-th box when a range starting at ``start`` per axis
-    is scanned in BOX_T x BOX_H x BOX_W boxes (row-major over boxes and inside a box),
-    ``steps_h`` x ``steps_w`` boxes per (t) slab.
+def box_offsets(BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
+    """Coordinates of the positions of a BOX_T x BOX_H x BOX_W box, row-major, from
+    its first corner (constant divisions: shifts and masks)."""
+    c = tl.arange(0, BOX_T * BOX_H * BOX_W)
+    return c // (BOX_H * BOX_W), (c // BOX_W) % BOX_H, c % BOX_W
 
-    The last box along an axis may run past the range: the caller clamps the
+
+@triton.jit
+def next_box(i_t, i_h, i_w, steps_h, steps_w):
+    """One step of a row-major scan over boxes, ``steps_h`` x ``steps_w`` boxes per
+    t slab: box indices ``(i_t, i_h, i_w)`` of the next box.
+
+    Counting with carries instead of dividing the step number: a division by a
+    run-time value costs ~20 instructions per thread, and there were three per step.
+    The last box along an axis may run past the scanned range: the caller clamps
     coordinates for its loads and masks the extra positions.
     """
-    c = tl.arange(0, BOX_T * BOX_H * BOX_W)
-    t = start_t + (step // (steps_h * steps_w)) * BOX_T + c // (BOX_H * BOX_W)
-    h = start_h + ((step // steps_w) % steps_h) * BOX_H + (c // BOX_W) % BOX_H
-    w = start_w + (step % steps_w) * BOX_W + c % BOX_W
-    return t, h, w
+    i_w += 1
+    wrap_w = i_w == steps_w
+    i_w = tl.where(wrap_w, 0, i_w)
+    i_h = tl.where(wrap_w, i_h + 1, i_h)
+    wrap_h = i_h == steps_h
+    i_h = tl.where(wrap_h, 0, i_h)
+    i_t = tl.where(wrap_h, i_t + 1, i_t)
+    return i_t, i_h, i_w
 
 
 @triton.jit

@@ -7,12 +7,12 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import box_of_program, scan_position, sees, union_of_windows
+from .common import box_of_program, box_offsets, next_box, sees, union_of_windows
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, K_DESC, V_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -29,13 +29,23 @@ def na3d_fwd_kernel(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
     STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    SCALE_SIGN: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
     of one (batch, head), against the union of their windows, scanned in
     KV_T x KV_H x KV_W boxes of keys with an online softmax (log2 domain, fp32).
 
-    ``qk_scale`` is the softmax scale times log2(e). LSE, when stored, is the natural
-    log-sum-exp per query, float32, contiguous ``(B, T, H, W, NH)``.
+    ``qk_scale`` is the softmax scale times log2(e), ``SCALE_SIGN`` its sign (-1, 0,
+    1). LSE, when stored, is the natural log-sum-exp per query, float32, contiguous
+    ``(B, T, H, W, NH)``.
+
+    ``USE_TMA``: K and V boxes come through the tensor descriptors ``K_DESC``/``V_DESC``
+    (Hopper's copy engine; 5-D ``(B, T, H, W, NH * HEAD_DIM)`` views, block
+    ``(1, KV_T, KV_H, KV_W, HEAD_DIM)``), which saves the per-element address
+    arithmetic and registers. Boxes then start at the scan position itself: a box
+    running past the union reads the neighbouring keys (zeros past the tensor's
+    end), which the mask drops. Without it the descriptors are never read.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
@@ -66,31 +76,61 @@ def na3d_fwd_kernel(
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for step in range(n_steps):
-        kt, kh, kw = scan_position(step, steps_h, steps_w, ut0, uh0, uw0, KV_T, KV_H, KV_W)
-        # Keys past the union (last step along an axis) load a repeat of its last
-        # position; they lie outside every window of the box, so the mask drops them.
-        pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
-        ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
-        pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
-        k = tl.load(k_base + (pt * stride_kt + ph * stride_kh + pw * stride_kw)[:, None] + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
+    off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
+    i_t = tl.zeros([], tl.int32)
+    i_h = tl.zeros([], tl.int32)
+    i_w = tl.zeros([], tl.int32)
+    for _ in range(n_steps):
+        c_t = ut0 + i_t * KV_T
+        c_h = uh0 + i_h * KV_H
+        c_w = uw0 + i_w * KV_W
+        kt = c_t + off_t
+        kh = c_h + off_h
+        kw = c_w + off_w
+        if USE_TMA:
+            k = K_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+        else:
+            # Keys past the union (last step along an axis) load a repeat of its last
+            # position; they lie outside every window of the box, so the mask drops them.
+            offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_kt
+                    + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_kh
+                    + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_kw)
+            k = tl.load(k_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
                        CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The row maximum of the scaled scores is taken on the raw ones (the scale's
+        # sign picks max or min), so that scaling and subtracting it fuse into one
+        # FMA per score.
+        if SCALE_SIGN > 0:
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        elif SCALE_SIGN < 0:
+            s = tl.where(visible, s, float("inf"))
+            m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
+        else:
+            s = tl.where(visible, 0.0, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes
         # its exponentials exactly 0 rather than NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_sub)
-        p = tl.math.exp2(s - m_sub[:, None])
+        if SCALE_SIGN == 0:
+            p = tl.math.exp2(s - m_sub[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
+        if USE_TMA:
+            v = V_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+        else:
+            offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_vt
+                    + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_vh
+                    + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_vw)
+            v = tl.load(v_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
+        i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
 
     out = acc / l_i[:, None]
     o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on
