@@ -35,9 +35,10 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16
             "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32"}
 
 
-def compile_for(kernel, target, constexprs, num_warps, num_stages):
+def compile_for(kernel, target, constexprs, num_warps, num_stages, maxnreg=None):
     """Compile as a launch would: pointers and strides divisible by 16 (what Triton's
-    launcher specializes on for real tensors), descriptors typed by their block."""
+    launcher specializes on for real tensors), descriptors typed by their block, the
+    table's register cap if it sets one."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -57,7 +58,10 @@ def compile_for(kernel, target, constexprs, num_warps, num_stages):
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if signature[name].startswith("*") or name.startswith("stride")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=target, options=options)
 
 
 def table_entries(arch):
@@ -75,7 +79,7 @@ def configs_for(arch):
         key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"], head_dim)
         if key not in seen:
             seen.add(key)
-            yield entry["bucket"], key, entry.get("backward")
+            yield entry["bucket"], key, entry.get("backward"), entry.get("maxnreg")
 
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.
@@ -88,14 +92,18 @@ def compile_all(arch):
 
     target, instruction, asm = TARGETS[arch]
     target = GPUTarget(*target)
-    for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd) in enumerate(configs_for(arch)):
+    for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd, cap) in enumerate(configs_for(arch)):
+        # Register caps are an NVIDIA compiler option; other backends reject the keyword.
+        assert target.backend == "cuda" or cap is None and not any(
+            k.endswith("maxnreg") for k in (bwd or {})), f"{arch} {bucket}: register caps on a non-NVIDIA table"
+        dq_cap = dkdv_cap = None
         causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
                     STRIDED=i % 2 == 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
             fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
-                                                            USE_TMA=use_tma, **tiles), warps, stages)
+                                                            USE_TMA=use_tma, **tiles), warps, stages, cap)
             assert instruction in fwd.asm[asm], f"{arch} {bucket}: forward has no {instruction}"
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
@@ -108,17 +116,18 @@ def compile_all(arch):
             dq_warps, dq_stages = bwd["num_warps"], bwd["num_stages"]
             dkdv_warps = bwd.get("dkdv_num_warps", dq_warps)
             dkdv_stages = bwd.get("dkdv_num_stages", dq_stages)
+            dq_cap, dkdv_cap = bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg")
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
             dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles),
-                             dq_warps, dq_stages)
+                             dq_warps, dq_stages, dq_cap)
             assert instruction in dq.asm[asm], f"{arch} {bucket}: dQ has no {instruction}"
             dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **dual),
-                               dkdv_warps, dkdv_stages)
+                               dkdv_warps, dkdv_stages, dkdv_cap)
             assert instruction in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {instruction}"
             fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
-                                dkdv_warps, dkdv_stages)
+                                dkdv_warps, dkdv_stages, dkdv_cap)
             assert instruction in fused.asm[asm], f"{arch} {bucket}: fused backward has no {instruction}"
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket

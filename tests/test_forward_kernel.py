@@ -137,3 +137,12 @@ def test_forward_is_deterministic():
     a = na3d.na3d(q, k, v, kernel)
     b = na3d.na3d(q, k, v, kernel)
     assert torch.equal(a, b)
+
+
+def test_forward_with_register_cap():
+    # The cap is a compile option only: same results (the interpreter ignores it).
+    shape, kernel = (1, 3, 5, 7, 2, 16), (3, 3, 5)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=21)
+    cfg = ForwardConfig((2, 2, 4), (1, 2, 8), num_warps=4, num_stages=2, maxnreg=128)
+    out, _ = run_poisoned(q, k, v, kernel, 0.25, config=cfg)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)

@@ -147,3 +147,24 @@ def test_even_kernels_are_accepted(qkv, monkeypatch):
     monkeypatch.undo()
     q, k, v = qkv
     assert call(q, k, v, (2, 4, 4)).shape == q.shape
+
+
+def test_register_caps_in_configs():
+    # A cap is None or a multiple of 8 the compiler accepts; unset, no keyword is
+    # passed (AMD's backend rejects it); table entries carry it into the configs.
+    from na3d import configs
+
+    with pytest.raises(ValueError, match="maxnreg"):
+        configs.ForwardConfig((1, 4, 4), (1, 4, 4), 4, 2, maxnreg=100)
+    with pytest.raises(ValueError, match="dkdv_maxnreg"):
+        configs.BackwardConfig((1, 4, 4), (1, 4, 4), (1, 4, 4), (1, 4, 4), 4, 1, dkdv_maxnreg=512)
+    assert configs.maxnreg_option(None) == {}
+    assert configs.maxnreg_option(128) == {"maxnreg": 128}
+    entry = {"dq": [[2, 4, 8], [4, 4, 4]], "dkdv": [[2, 4, 8], [4, 4, 4]], "num_warps": 4, "num_stages": 1,
+             "dq_maxnreg": 128, "dkdv_maxnreg": 168}
+    bwd = configs.fit_backward(entry, (8, 16, 16), (3, 5, 5))
+    assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg) == (128, 168)
+    for arch in ("sm90", "default"):
+        for bucket_kernel in ((3, 5, 5), (11, 11, 11), (3, 5, 27)):
+            configs.forward_config(arch, (16, 32, 32), bucket_kernel, 64, torch.bfloat16)
+            configs.backward_config(arch, (16, 32, 32), bucket_kernel, 64, torch.bfloat16)

@@ -30,13 +30,16 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 class ForwardConfig:
     """Tiles and launch settings of the forward kernel. ``tma``: load key/value boxes
     through tensor descriptors where the GPU and the tensors' layout allow (see
-    ``launch.tma_layout_ok``); elsewhere the kernel loads through pointers."""
+    ``launch.tma_layout_ok``); elsewhere the kernel loads through pointers.
+    ``maxnreg``: a cap on registers per thread (NVIDIA only, passed to the compiler),
+    or None for the compiler's choice; a lower cap fits more programs on an SM."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
     num_stages: int
     bucket: str = "explicit"
     tma: bool = True
+    maxnreg: Optional[int] = None
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -45,6 +48,18 @@ class ForwardConfig:
                 raise ValueError(f"{name}={tile} must be three powers of two")
             if math.prod(tile) < 16:
                 raise ValueError(f"{name}={tile} must hold at least 16 positions (tl.dot minimum)")
+        _check_maxnreg("maxnreg", self.maxnreg)
+
+
+def _check_maxnreg(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or not 24 <= value <= 255 or value % 8):
+        raise ValueError(f"{name}={value!r} must be None or a multiple of 8 from 24 to 255")
+
+
+def maxnreg_option(value: Optional[int]) -> Dict[str, int]:
+    """Launch keyword for a register cap: empty when unset (backends without the
+    option, AMD's among them, reject the keyword)."""
+    return {} if value is None else {"maxnreg": value}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +73,8 @@ class BackwardConfig:
     one-pass backward (dK/dV tiles and launch settings, dQ added atomically; the dQ
     query box then only sizes the ``delta`` pass); it is not deterministic, and
     ``torch.use_deterministic_algorithms(True)`` overrides it. ``tma``: as in
-    :class:`ForwardConfig`, for the boxes each kernel scans.
+    :class:`ForwardConfig`, for the boxes each kernel scans; ``dq_maxnreg`` and
+    ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -71,6 +87,8 @@ class BackwardConfig:
     dkdv_num_stages: Optional[int] = None
     fused: bool = False
     tma: bool = True
+    dq_maxnreg: Optional[int] = None
+    dkdv_maxnreg: Optional[int] = None
 
     @property
     def dkdv_warps(self) -> int:
@@ -85,6 +103,8 @@ class BackwardConfig:
             tile = getattr(self, name)
             if len(tile) != 3 or any(x < 1 or x & (x - 1) for x in tile) or math.prod(tile) < 16:
                 raise ValueError(f"{name}={tile} must be three powers of two holding at least 16 positions")
+        _check_maxnreg("dq_maxnreg", self.dq_maxnreg)
+        _check_maxnreg("dkdv_maxnreg", self.dkdv_maxnreg)
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,7 +184,7 @@ def forward_config(
     unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
     kv_tile = _fit(entry["kv_tile"], unions)
     return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"],
-                         entry.get("tma", True))
+                         entry.get("tma", True), entry.get("maxnreg"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -197,7 +217,7 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
-    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``.
+    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``.
     """
     dq_q = _fit(bwd["dq"][0], shape)
     dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
@@ -205,4 +225,4 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
-                          bool(bwd.get("tma", True)))
+                          bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"))

@@ -87,6 +87,7 @@ def na3d_forward(
         USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **configs.maxnreg_option(cfg.maxnreg),
     )
     return out, lse
 
@@ -193,7 +194,7 @@ def na3d_backward(
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
         HAS_DLSE=grad_lse is not None, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **common)
+        **configs.maxnreg_option(cfg.dq_maxnreg), **common)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
     use_tma = cfg.tma and tma_layout_ok(q, grad_out)
@@ -205,7 +206,8 @@ def na3d_backward(
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
     return dq, dk, dv
 
 
@@ -237,7 +239,8 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common)
+        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

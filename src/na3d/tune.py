@@ -176,14 +176,16 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
 
 
 def config_key(cfg: configs.ForwardConfig) -> str:
-    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages, cfg.tma])
+    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg])
 
 
 def backward_key(cfg: configs.BackwardConfig) -> str:
     return json.dumps({"dq": [list(cfg.dq_q_tile), list(cfg.dq_kv_tile)],
                        "dkdv": [list(cfg.dkdv_k_tile), list(cfg.dkdv_q_tile)],
                        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                       "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages})
+                       "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages, "tma": cfg.tma,
+                       **{name: getattr(cfg, name) for name in ("dq_maxnreg", "dkdv_maxnreg")
+                          if getattr(cfg, name) is not None}})
 
 
 def choose(results: Dict[str, Dict[str, float]], names: List[str]) -> Tuple[str, float, Dict[str, float]]:
@@ -208,11 +210,13 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
         tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
     tiles.discard(current)
     # Each with key/value boxes loaded through tensor descriptors and through pointers.
+    # Register caps: those of --maxnreg (0: none), else the table's own.
     tma = entry.get("tma", True)
-    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", tma),
-                  configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", not tma)]
-    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag)
-                   for qt, kt in sorted(tiles) for w, st in launches for flag in (True, False)
+    caps = [c or None for c in args.maxnreg] if args.maxnreg else [entry.get("maxnreg")]
+    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", flag, cap)
+                  for flag in (tma, not tma) for cap in caps]
+    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap)
+                   for qt, kt in sorted(tiles) for w, st in launches for flag in (True, False) for cap in caps
                    if w == 4 or math.prod(qt) == 128]
     log(f"bucket {entry['bucket']} forward: {len(candidates)} candidates on {[s['name'] for s in members]}")
     results = {}
@@ -221,8 +225,12 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
         torch.cuda.empty_cache()
     names = [s["name"] for s in members]
     choice, slow, best = choose(results, names)
-    qt, kt, warps, stages, tma = json.loads(choice)
+    qt, kt, warps, stages, tma, cap = json.loads(choice)
     entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages, tma=tma)
+    if cap is None:
+        entry.pop("maxnreg", None)
+    else:
+        entry["maxnreg"] = cap
     entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
     log(f"bucket {entry['bucket']} forward: {choice} (geomean slowdown {slow:.3f})")
     return results
@@ -256,12 +264,18 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
         dkdv_now = (tuple(bwd["dkdv"][0]), tuple(bwd["dkdv"][1]), bwd.get("dkdv_num_warps", bwd["num_warps"]),
                     bwd.get("dkdv_num_stages", bwd["num_stages"]))
 
+    # Register caps and the descriptor flag are kept as the table states them (not searched here).
+    caps = {name: bwd[name] for name in ("dq_maxnreg", "dkdv_maxnreg") if bwd and bwd.get(name) is not None}
+    caps["tma"] = bool((bwd or entry).get("tma", True))
+
     def as_config(dq, dkdv, spec=None):
         """A candidate as a config: as the table will state it, or fitted to ``spec``'s shape."""
         entry_form = {"dq": [list(dq[0]), list(dq[1])], "dkdv": [list(dkdv[0]), list(dkdv[1])],
-                      "num_warps": dq[2], "num_stages": dq[3], "dkdv_num_warps": dkdv[2], "dkdv_num_stages": dkdv[3]}
+                      "num_warps": dq[2], "num_stages": dq[3], "dkdv_num_warps": dkdv[2], "dkdv_num_stages": dkdv[3],
+                      **caps}
         if spec is None:
-            return configs.BackwardConfig(dq[0], dq[1], dkdv[0], dkdv[1], dq[2], dq[3], "candidate", dkdv[2], dkdv[3])
+            return configs.BackwardConfig(dq[0], dq[1], dkdv[0], dkdv[1], dq[2], dq[3], "candidate", dkdv[2], dkdv[3],
+                                          **caps)
         return configs.fit_backward(entry_form, tuple(spec["shape"][1:4]), tuple(spec["kernel_size"]), "candidate")
 
     results: Dict[str, Dict[str, float]] = {}
@@ -306,6 +320,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--top", type=int, default=4, help="tile pairs per shape")
     parser.add_argument("--launch", nargs="*", default=["4,2", "4,3", "8,2"],
                         help="forward num_warps,num_stages settings to try (8 warps only on 128-query boxes)")
+    parser.add_argument("--maxnreg", nargs="*", type=int, default=None,
+                        help="forward register caps to try with every candidate (0: none); default: the table's")
     parser.add_argument("--no-forward", action="store_true", help="keep the forward tiles as they are")
     parser.add_argument("--backward", action="store_true", help="also tune the backward kernels' tiles")
     parser.add_argument("--budget-s", type=float, default=None,
