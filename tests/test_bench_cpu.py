@@ -18,3 +18,18 @@ def test_flops_and_bytes_follow_design():
     shape, kernel = (1, 18, 32, 48, 32, 64), (3, 7, 7)
     assert bench.useful_flops(shape, kernel) == 4 * 18 * 32 * 48 * 32 * 64 * 147
     assert bench.min_bytes(shape, 2) == 4 * 18 * 32 * 48 * 32 * 64 * 2
+
+
+def test_plot_without_shape_rows_draws_nothing(tmp_path):
+    # A decoder-only run (--decoder --no-shapes) has no fwd/bwd rows to draw.
+    path = tmp_path / "h200.png"
+    bench.plot([], str(path), "empty")
+    assert not path.exists()
+
+
+def test_plot_draws_shape_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"name": "s", "pass": "fwd", "ms": {"na3d": 1.0, "flex": 3.0}, "floor_ms": 0.5}]
+    path = tmp_path / "h200.png"
+    bench.plot(rows, str(path), "one row")
+    assert path.stat().st_size > 0

@@ -301,6 +301,9 @@ def plot(rows: List[dict], path: str, title: str) -> None:
         log("matplotlib not installed: no plot")
         return
     methods = [m for m in ("na3d", "na3d_fused", "flex", "sdpa_exact") if any(m in r["ms"] for r in rows)]
+    if not rows or not methods:  # e.g. a decoder-only run: nothing to draw
+        log(f"no fwd/bwd rows: no plot at {path}")
+        return
     fig, ax = plt.subplots(figsize=(15, 5.5))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
