@@ -129,24 +129,74 @@ def test_opcheck():
                                          [False, True, False], [1, 2, 1]))
 
 
-def test_only_differentiable_calls_go_through_the_operator(monkeypatch):
-    """Inference calls launch the kernel directly (no operator dispatch); calls that
-    can need a gradient go through the autograd-aware operator."""
+def test_eager_calls_skip_the_operator(monkeypatch):
+    """Inference calls launch the kernel directly and eager calls that need a
+    gradient go through ops.EagerAttention: neither dispatches the operators (whose
+    host cost exceeds small kernels). Same values, same gradients as the operator."""
     import na3d
 
     q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=4)
-    real, calls = ops.forward, []
-
-    def spy(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(ops, "forward", spy)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, _real=real, _name=name: calls.append(_name) or _real(*args))
     plain = na3d.na3d(q, k, v, 3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with_grad = na3d.na3d(*leaves, 3)
+    eager_grads = torch.autograd.grad(with_grad, leaves, grad_out)
     assert calls == []
-    with_grad = na3d.na3d(q.clone().requires_grad_(), k, v, 3)
-    assert len(calls) == 1
     torch.testing.assert_close(plain, with_grad.detach(), rtol=0, atol=0)
+
+    op_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    op_out, _ = ops.forward(*op_leaves, [3, 3, 3], 16 ** -0.5, True, [False] * 3, [1] * 3)
+    op_grads = torch.autograd.grad(op_out, op_leaves, grad_out)
+    assert calls == ["forward", "backward"]
+    torch.testing.assert_close(with_grad.detach(), op_out.detach(), rtol=0, atol=0)
+    for got, want in zip(eager_grads, op_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_eager_path_refuses_traced_calls():
+    """Anything traced must see the operator: fake tensors and dispatch modes are
+    not eager; a double backward through the eager path raises (as through the
+    operator) instead of silently contributing no second-order terms."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import na3d
+
+    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=4)
+    assert ops.eager(q, k, v)
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        assert not ops.eager(fq)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = na3d.na3d(*leaves, 3)
+    dq, = torch.autograd.grad(out.sum(), leaves[:1], create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        dq.sum().backward()
+
+
+def test_compiled_call_uses_the_operator(monkeypatch):
+    """torch.compile (fullgraph, AOTAutograd) traces the operator, not the eager path,
+    and its gradients equal the eager ones."""
+    import na3d
+
+    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=6)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(na3d.na3d(*leaves, 3), leaves, grad_out)
+    used = []
+    real = ops.EagerAttention.apply
+    monkeypatch.setattr(ops.EagerAttention, "apply", lambda *a: used.append(1) or real(*a))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: na3d.na3d(a, b, c, 3), backend="aot_eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(compiled(*leaves), leaves, grad_out)
+    assert used == []
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 # The fused backward (dQ by atomic adds): same oracle, awkward shapes and tilings.

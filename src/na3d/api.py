@@ -120,7 +120,13 @@ def _run(query, key, value, kernel_size, causal, stride, scale: float, return_ls
             out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
                                            is_causal=causal, stride=stride)
             return (out, lse) if return_lse else out
-        # The log-sum-exp is saved for the backward only when a gradient can flow.
+        if ops.eager(query, key, value):
+            # Training, eager: autograd without the operator's dispatch (see ops.EagerAttention).
+            out, lse = ops.EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
+                                                tuple(stride))
+            return (out, lse) if return_lse else out
+        # Traced (torch.compile): the operator. The log-sum-exp is saved for the
+        # backward only when a gradient can flow.
         out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
                                list(causal), list(stride))
         return (out, lse) if return_lse else out
