@@ -1,0 +1,95 @@
+"""The forward kernel's key loop in sm90 SASS, compiled here (no GPU needed):
+instructions per step and their opcode histogram. The forward is bound by
+instruction issue on the H200, so this count is the first thing to check when
+changing the loop (then time it on the GPU).
+
+    python benchmarks/sass_loop.py [--q-tile 4 4 4] [--kv-tile 2 2 16] [--warps 4] [--stages 2]
+                                   [--no-tma] [--dump]
+
+Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64.
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests")]
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from test_compile_targets import compile_for  # noqa: E402
+
+ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--q-tile", type=int, nargs=3, default=[4, 4, 4])
+    parser.add_argument("--kv-tile", type=int, nargs=3, default=[2, 2, 16])
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--no-tma", action="store_true")
+    parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
+    args = parser.parse_args()
+
+    from na3d.kernels.forward import na3d_fwd_kernel
+
+    (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
+    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
+                      STORE_LSE=False, SCALE_SIGN=1, USE_TMA=not args.no_tma,
+                      Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
+    kernel = compile_for(na3d_fwd_kernel, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+    # Instruction lines with their addresses; labels with the address that follows them.
+    instructions, labels, pending = [], {}, None
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.L_x_(\d+):", line)
+        if label:
+            pending = label.group(1)
+            continue
+        m = ADDRESS.search(line)
+        if m:
+            address = int(m.group(1), 16)
+            instructions.append((address, line.split("*/", 1)[1].split(";")[0].strip()))
+            if pending is not None:
+                labels[pending], pending = address, None
+    # Loops: backward branches. The key loop is the largest one holding the
+    # tensor-core products and no exit.
+    loops = []
+    for address, text in instructions:
+        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
+        if m and labels.get(m.group(1), address) < address:
+            body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
+            if any("HGMMA" in t for t in body) and not any(t.startswith("EXIT") for t in body):
+                loops.append(body)
+    if not loops:
+        sys.exit("no key loop found")
+    body = max(loops, key=len)
+    opcodes = collections.Counter()
+    for text in body:
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
+        if m:
+            opcodes[m.group(1)] += 1
+    scores = (qt * qh * qw) * (kt * kh * kw) // (32 * args.warps)
+    print(f"q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
+          f"tma {not args.no_tma}: shared {kernel.metadata.shared} B")
+    print(f"key loop: {len(body)} instructions per step and thread, {len(body) / scores:.1f} per score")
+    print(", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
+    if args.dump:
+        print("\n".join(re.sub(r"\s+", " ", t) for t in body))
+
+
+if __name__ == "__main__":
+    main()
