@@ -23,7 +23,8 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import box_of_program, box_offsets, next_box, queries_seeing, seen_by, sees, union_of_windows
+from .common import (box_of_program, box_offsets, load_rows, next_box, queries_seeing, seen_by, sees,
+                     union_of_windows)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -79,15 +80,10 @@ def na3d_bwd_dq_kernel(
     bh = batch.to(tl.int64)
     hd = head.to(tl.int64)
     pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-    q = tl.load(Q + bh * stride_qb + hd * stride_qn
-                + (pos_t * stride_qt + pos_h * stride_qh + pos_w * stride_qw)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
-    do = tl.load(DO + bh * stride_dob + hd * stride_don
-                 + (pos_t * stride_dot + pos_h * stride_doh + pos_w * stride_dow)[:, None] + d[None, :],
-                 mask=d_ok[None, :], other=0.0)
-    o = tl.load(O + bh * stride_ob + hd * stride_on
-                + (pos_t * stride_ot + pos_h * stride_oh + pos_w * stride_ow)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
+    q = load_rows(Q + bh * stride_qb + hd * stride_qn, pos_t, pos_h, pos_w, stride_qt, stride_qh, stride_qw, d, d_ok)
+    do = load_rows(DO + bh * stride_dob + hd * stride_don,
+                   pos_t, pos_h, pos_w, stride_dot, stride_doh, stride_dow, d, d_ok)
+    o = load_rows(O + bh * stride_ob + hd * stride_on, pos_t, pos_h, pos_w, stride_ot, stride_oh, stride_ow, d, d_ok)
     rows = (((bh * T + pos_t) * H + pos_h) * W + pos_w) * heads + hd
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
@@ -117,10 +113,8 @@ def na3d_bwd_dq_kernel(
             pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
             ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
             pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
-            k = tl.load(k_base + (pt * stride_kt + ph * stride_kh + pw * stride_kw)[:, None] + d[None, :],
-                        mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_base + (pt * stride_vt + ph * stride_vh + pw * stride_vw)[:, None] + d[None, :],
-                        mask=d_ok[None, :], other=0.0)
+            k = load_rows(k_base, pt, ph, pw, stride_kt, stride_kh, stride_kw, d, d_ok)
+            v = load_rows(v_base, pt, ph, pw, stride_vt, stride_vh, stride_vw, d, d_ok)
         visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
                        CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -195,12 +189,8 @@ def na3d_bwd_dkdv_kernel(
     bh = batch.to(tl.int64)
     hd = head.to(tl.int64)
     pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
-    k = tl.load(K + bh * stride_kb + hd * stride_kn
-                + (pos_t * stride_kt + pos_h * stride_kh + pos_w * stride_kw)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
-    v = tl.load(V + bh * stride_vb + hd * stride_vn
-                + (pos_t * stride_vt + pos_h * stride_vh + pos_w * stride_vw)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
+    k = load_rows(K + bh * stride_kb + hd * stride_kn, pos_t, pos_h, pos_w, stride_kt, stride_kh, stride_kw, d, d_ok)
+    v = load_rows(V + bh * stride_vb + hd * stride_vn, pos_t, pos_h, pos_w, stride_vt, stride_vh, stride_vw, d, d_ok)
 
     q_base = Q + bh * stride_qb + hd * stride_qn
     do_base = DO + bh * stride_dob + hd * stride_don
@@ -228,10 +218,8 @@ def na3d_bwd_dkdv_kernel(
             q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
             do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
         else:
-            q = tl.load(q_base + (pt * stride_qt + ph * stride_qh + pw * stride_qw)[:, None] + d[None, :],
-                        mask=d_ok[None, :], other=0.0)
-            do = tl.load(do_base + (pt * stride_dot + ph * stride_doh + pw * stride_dow)[:, None] + d[None, :],
-                         mask=d_ok[None, :], other=0.0)
+            q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
+            do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
         rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
         lse2 = tl.load(LSE + rows) * LOG2_E
         delta = tl.load(DELTA + rows)
@@ -288,12 +276,9 @@ def na3d_bwd_delta_kernel(
     bh = batch.to(tl.int64)
     hd = head.to(tl.int64)
     pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-    do = tl.load(DO + bh * stride_dob + hd * stride_don
-                 + (pos_t * stride_dot + pos_h * stride_doh + pos_w * stride_dow)[:, None] + d[None, :],
-                 mask=d_ok[None, :], other=0.0)
-    o = tl.load(O + bh * stride_ob + hd * stride_on
-                + (pos_t * stride_ot + pos_h * stride_oh + pos_w * stride_ow)[:, None] + d[None, :],
-                mask=d_ok[None, :], other=0.0)
+    do = load_rows(DO + bh * stride_dob + hd * stride_don,
+                   pos_t, pos_h, pos_w, stride_dot, stride_doh, stride_dow, d, d_ok)
+    o = load_rows(O + bh * stride_ob + hd * stride_on, pos_t, pos_h, pos_w, stride_ot, stride_oh, stride_ow, d, d_ok)
     rows = (((bh * T + pos_t) * H + pos_h) * W + pos_w) * heads + hd
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:

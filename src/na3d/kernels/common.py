@@ -143,3 +143,13 @@ def seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
     return ((kt[:, None] >= st[None, :]) & (kt[:, None] < et[None, :])
             & (kh[:, None] >= sh[None, :]) & (kh[:, None] < eh[None, :])
             & (kw[:, None] >= sw[None, :]) & (kw[:, None] < ew[None, :]))
+
+
+@triton.jit
+def load_rows(base, pos_t, pos_h, pos_w, stride_t, stride_h, stride_w, d, d_ok):
+    """``[positions, BLOCK_D]`` rows of one (batch, head) of a ``(B, T, H, W, NH, HD)``
+    tensor: ``base`` points at that batch and head, ``pos_*`` are int64 coordinates
+    (in bounds), ``d``/``d_ok`` the head-dim columns and which of them exist (the
+    padding columns read 0)."""
+    return tl.load(base + (pos_t * stride_t + pos_h * stride_h + pos_w * stride_w)[:, None] + d[None, :],
+                   mask=d_ok[None, :], other=0.0)
