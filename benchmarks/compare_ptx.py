@@ -4,10 +4,10 @@
 
 Compiles the forward, dQ and dK/dV kernels for sm90 (no GPU needed) with every
 configuration of the sm90 table, non-causal, stride 1, deterministic backward, at
-both revisions, and
-compares the PTX instructions (parameter numbering, comments, debug sections and
-debug-only labels ignored). Identical instructions mean a benchmark measured at one revision holds
-for the other. Uses ``git worktree`` for the old revision.
+both revisions, and compares the PTX instructions (parameter numbering, comments,
+debug sections and debug-only labels ignored). Identical instructions mean a
+benchmark measured at one revision holds for the other. Uses ``git worktree`` for
+the old revision.
 """
 
 import json

@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import launch
 
@@ -91,8 +92,6 @@ def eager(*tensors: Tensor) -> bool:
     """True for a plain eager call: nothing traces it (no ``torch.compile``, no
     AOTAutograd / ``make_fx`` / fake-tensor mode) and the tensors are ordinary ones.
     Only then may a caller skip the operator and run the launchers itself."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
 
