@@ -4,7 +4,7 @@ instruction issue on the H200, so this count is the first thing to check when
 changing the loop (then time it on the GPU).
 
     python benchmarks/sass_loop.py [--q-tile 4 4 4] [--kv-tile 2 2 16] [--warps 4] [--stages 2]
-                                   [--no-tma] [--dump]
+                                   [--no-tma] [--lazy-rescale] [--dump]
 
 Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64.
 """
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--no-tma", action="store_true")
+    parser.add_argument("--lazy-rescale", action="store_true", help="rescale the accumulator only when a maximum grew")
+    parser.add_argument("--skip-inner-mask", action="store_true", help="w mask only on key boxes inside every t, h window")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -43,7 +45,8 @@ def main() -> None:
 
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
-                      STORE_LSE=False, SCALE_SIGN=1, USE_TMA=not args.no_tma,
+                      STORE_LSE=False, SCALE_SIGN=1, USE_TMA=not args.no_tma, LAZY_RESCALE=args.lazy_rescale,
+                      SKIP_INNER_MASK=args.skip_inner_mask,
                       Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
     kernel = compile_for(na3d_fwd_kernel, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -66,27 +69,31 @@ def main() -> None:
             if pending is not None:
                 labels[pending], pending = address, None
     # Loops: backward branches. The key loop is the largest one holding the
-    # tensor-core products and no exit.
+    # tensor-core products (HGMMA: Hopper's warpgroup products, 64+ query rows;
+    # HMMA: mma.sync, smaller query boxes) and no exit.
     loops = []
     for address, text in instructions:
         m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
         if m and labels.get(m.group(1), address) < address:
             body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
-            if any("HGMMA" in t for t in body) and not any(t.startswith("EXIT") for t in body):
+            if any("HGMMA" in t or "HMMA" in t for t in body) and not any(t.startswith("EXIT") for t in body):
                 loops.append(body)
     if not loops:
         sys.exit("no key loop found")
-    body = max(loops, key=len)
-    opcodes = collections.Counter()
-    for text in body:
-        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
-        if m:
-            opcodes[m.group(1)] += 1
     scores = (qt * qh * qw) * (kt * kh * kw) // (32 * args.warps)
     print(f"q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
           f"tma {not args.no_tma}: shared {kernel.metadata.shared} B")
-    print(f"key loop: {len(body)} instructions per step and thread, {len(body) / scores:.1f} per score")
-    print(", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
+    # With --skip-inner-mask there are two key loops: boxes needing the full mask
+    # first, then the inner boxes (w part only).
+    for body in loops:
+        opcodes = collections.Counter()
+        for text in body:
+            m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
+            if m:
+                opcodes[m.group(1)] += 1
+        print(f"key loop: {len(body)} instructions per step and thread, {len(body) / scores:.1f} per score")
+        print(", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
+    body = max(loops, key=len)
     if args.dump:
         print("\n".join(re.sub(r"\s+", " ", t) for t in body))
 

@@ -7,7 +7,9 @@ session may have turned on the Triton interpreter), or directly:
 
 This is what keeps the CPU-only CI honest about the compiled path: the interpreter
 accepts code the compiler rejects (global constexprs, dot precisions an AMD
-backend does not know, ...). sm90 builds must use Hopper's wgmma, AMD builds MFMA.
+backend does not know, ...). sm90 builds must use Hopper's wgmma (mma.sync where a
+table gives a box fewer than 64 rows or fewer than 4 warps: wgmma works on 64 rows
+per warpgroup of 4 warps), AMD builds MFMA.
 """
 
 import json
@@ -86,11 +88,19 @@ def configs_for(arch):
 CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True), (True, True, False)]
 
 
+def product_instruction(arch, rows, warps):
+    """The tensor-core instruction a kernel must use for a box of ``rows`` rows on ``warps`` warps."""
+    instruction = TARGETS[arch][1]
+    if instruction == "wgmma" and (rows < 64 or warps % 4):
+        return "mma.sync"
+    return instruction
+
+
 def compile_all(arch):
     from na3d.kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
     from na3d.kernels.forward import na3d_fwd_kernel
 
-    target, instruction, asm = TARGETS[arch]
+    target, _, asm = TARGETS[arch]
     target = GPUTarget(*target)
     for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd, cap) in enumerate(configs_for(arch)):
         # Register caps are an NVIDIA compiler option; other backends reject the keyword.
@@ -104,7 +114,8 @@ def compile_all(arch):
         for use_tma in (False, True) if arch == "sm90" else (False,):
             fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
                                                             USE_TMA=use_tma, **tiles), warps, stages, cap)
-            assert instruction in fwd.asm[asm], f"{arch} {bucket}: forward has no {instruction}"
+            expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
+            assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
         dq_warps, dq_stages = warps, max(1, stages - 1)
@@ -122,13 +133,15 @@ def compile_all(arch):
         for use_tma in (False, True) if arch == "sm90" else (False,):
             dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles),
                              dq_warps, dq_stages, dq_cap)
-            assert instruction in dq.asm[asm], f"{arch} {bucket}: dQ has no {instruction}"
+            expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
+            assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
             dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **dual),
                                dkdv_warps, dkdv_stages, dkdv_cap)
-            assert instruction in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {instruction}"
+            expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
+            assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
             fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
                                 dkdv_warps, dkdv_stages, dkdv_cap)
-            assert instruction in fused.asm[asm], f"{arch} {bucket}: fused backward has no {instruction}"
+            assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"

@@ -38,6 +38,14 @@ from .reference import na3d_sdpa_exact
 POW2 = (1, 2, 4, 8, 16, 32, 64)
 
 
+def launch_fits(rows: int, num_warps: int) -> bool:
+    """Which warp counts to try for a box of ``rows`` queries (or keys, in dK/dV):
+    4 warps for any box; 8 only for 128 rows (two of Hopper's 64-row warpgroup
+    products); 1-2 only for boxes of at most 32 rows, which run as mma.sync tiles
+    of 16 rows per warp instead of warpgroup products."""
+    return num_warps == 4 or (num_warps == 8 and rows == 128) or (num_warps < 4 and rows <= 32)
+
+
 def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     T, H, W = shape
     q_tiles = [t for t in itertools.product(POW2, POW2, POW2) if math.prod(t) in (32, 64, 128)
@@ -65,12 +73,15 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
 
     # The fewest issued products overall (small boxes win that count), and the best
     # of the families the model cannot rank against them: 64- and 128-query boxes
-    # (less K/V traffic per query, fuller tensor-core tiles) and 32-key boxes (less
-    # padding at the union's edges).
+    # (less K/V traffic per query, fuller tensor-core tiles), 32-key boxes (less
+    # padding at the union's edges) and 32-query boxes with 64-key boxes.
     picked = best(top, lambda qt, kt: True)
     picked += best(2, lambda qt, kt: math.prod(qt) == 64)
     picked += best(2, lambda qt, kt: math.prod(qt) == 128)
     picked += best(2, lambda qt, kt: math.prod(kt) == 32)
+    # 32-query boxes (mma.sync with 1-2 warps) with 64-key boxes: fewer steps, each
+    # with the same fixed cost, than the 32-key boxes the count above prefers.
+    picked += best(2, lambda qt, kt: math.prod(qt) == 32 and math.prod(kt) == 64)
     return list(dict.fromkeys(picked))
 
 
@@ -217,7 +228,7 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
                   for flag in (tma, not tma) for cap in caps]
     candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap)
                    for qt, kt in sorted(tiles) for w, st in launches for flag in (True, False) for cap in caps
-                   if w == 4 or math.prod(qt) == 128]
+                   if launch_fits(math.prod(qt), w)]
     log(f"bucket {entry['bucket']} forward: {len(candidates)} candidates on {[s['name'] for s in members]}")
     results = {}
     for s in members:
@@ -240,7 +251,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
                   budget) -> Dict[str, Dict[str, float]]:
     """Two steps on the bucket's shapes: dQ tiles (dK/dV fixed), then dK/dV tiles."""
     names = [s["name"] for s in members]
-    launches = [(4, 1), (4, 2), (8, 1)]
+    launches = [tuple(int(x) for x in s.split(",")) for s in args.bwd_launch]
 
     def current_for(spec):
         shape = tuple(spec["shape"])
@@ -280,7 +291,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
 
     results: Dict[str, Dict[str, float]] = {}
     dq_options = [dq_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                             if (w == 4 or math.prod(a) == 128) and (a, b, w, st) != dq_now]
+                             if launch_fits(math.prod(a), w) and (a, b, w, st) != dq_now]
     log(f"bucket {entry['bucket']} backward dQ: {len(dq_options)} candidates on {names}")
     step1 = {}
     for s in members:
@@ -293,7 +304,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     log(f"bucket {entry['bucket']} backward dQ: {choice} (geomean slowdown {slow:.3f})")
 
     dkdv_options = [dkdv_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                                 if (w == 4 or math.prod(a) == 128) and (a, b, w, st) != dkdv_now]
+                                 if launch_fits(math.prod(a), w) and (a, b, w, st) != dkdv_now]
     log(f"bucket {entry['bucket']} backward dK/dV: {len(dkdv_options)} candidates on {names}")
     step2 = {}
     for s in members:
@@ -319,7 +330,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--buckets", nargs="*", help="only these buckets of the table")
     parser.add_argument("--top", type=int, default=4, help="tile pairs per shape")
     parser.add_argument("--launch", nargs="*", default=["4,2", "4,3", "8,2"],
-                        help="forward num_warps,num_stages settings to try (8 warps only on 128-query boxes)")
+                        help="forward num_warps,num_stages settings to try (8 warps only on 128-query boxes, "
+                             "1-2 warps only on boxes of at most 32 queries)")
+    parser.add_argument("--bwd-launch", nargs="*", default=["4,1", "4,2", "8,1"],
+                        help="the same for the backward kernels (the dK/dV kernel's rows are its key box)")
     parser.add_argument("--maxnreg", nargs="*", type=int, default=None,
                         help="forward register caps to try with every candidate (0: none); default: the table's")
     parser.add_argument("--no-forward", action="store_true", help="keep the forward tiles as they are")
