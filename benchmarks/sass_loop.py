@@ -4,7 +4,7 @@ instruction issue on the H200, so this count is the first thing to check when
 changing the loop (then time it on the GPU).
 
     python benchmarks/sass_loop.py [--q-tile 4 4 4] [--kv-tile 2 2 16] [--warps 4] [--stages 2]
-                                   [--no-tma] [--lazy-rescale] [--dump]
+                                   [--no-tma] [--dump]
 
 Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64.
 """
@@ -36,8 +36,6 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--no-tma", action="store_true")
-    parser.add_argument("--lazy-rescale", action="store_true", help="rescale the accumulator only when a maximum grew")
-    parser.add_argument("--skip-inner-mask", action="store_true", help="w mask only on key boxes inside every t, h window")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -45,8 +43,7 @@ def main() -> None:
 
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
-                      STORE_LSE=False, SCALE_SIGN=1, USE_TMA=not args.no_tma, LAZY_RESCALE=args.lazy_rescale,
-                      SKIP_INNER_MASK=args.skip_inner_mask,
+                      STORE_LSE=False, SCALE_SIGN=1, USE_TMA=not args.no_tma,
                       Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
     kernel = compile_for(na3d_fwd_kernel, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -83,8 +80,7 @@ def main() -> None:
     scores = (qt * qh * qw) * (kt * kh * kw) // (32 * args.warps)
     print(f"q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
           f"tma {not args.no_tma}: shared {kernel.metadata.shared} B")
-    # With --skip-inner-mask there are two key loops: boxes needing the full mask
-    # first, then the inner boxes (w part only).
+    # Every key loop, in code order (a kernel variant may have more than one).
     for body in loops:
         opcodes = collections.Counter()
         for text in body:
