@@ -1,12 +1,14 @@
-"""The forward kernel's key loop in sm90 SASS, compiled here (no GPU needed):
-instructions per step and their opcode histogram. The forward is bound by
-instruction issue on the H200, so this count is the first thing to check when
-changing the loop (then time it on the GPU).
+"""A kernel's main loop in sm90 SASS, compiled here (no GPU needed): instructions
+per step and their opcode histogram. The kernels are bound by instruction issue on
+the H200, so this count is the first thing to check when changing a loop (then
+time it on the GPU).
 
-    python benchmarks/sass_loop.py [--q-tile 4 4 4] [--kv-tile 2 2 16] [--warps 4] [--stages 2]
-                                   [--no-tma] [--dump]
+    python benchmarks/sass_loop.py [--kernel forward|dq|dkdv] [--q-tile 4 4 4] [--kv-tile 2 2 16]
+                                   [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--dump]
 
 Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64.
+``--q-tile``/``--kv-tile`` are the program's own box and the scanned box: for dK/dV
+the key box and the query box.
 """
 
 import argparse
@@ -31,21 +33,32 @@ ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", choices=["forward", "dq", "dkdv"], default="forward")
     parser.add_argument("--q-tile", type=int, nargs=3, default=[4, 4, 4])
     parser.add_argument("--kv-tile", type=int, nargs=3, default=[2, 2, 16])
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--maxnreg", type=int, default=None, help="register cap, as a table's maxnreg")
     parser.add_argument("--no-tma", action="store_true")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
+    from na3d.kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
     from na3d.kernels.forward import na3d_fwd_kernel
 
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
+    tma = not args.no_tma
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
-                      STORE_LSE=False, SCALE_SIGN=1, USE_TMA=not args.no_tma,
-                      Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
-    kernel = compile_for(na3d_fwd_kernel, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages)
+                      USE_TMA=tma)
+    if args.kernel == "dkdv":
+        fn = na3d_bwd_dkdv_kernel
+        constexprs.update(ACCUMULATE_DQ=False, BULK_DQ=False, STATS_TMA=tma,
+                          K_T=qt, K_H=qh, K_W=qw, Q_T=kt, Q_H=kh, Q_W=kw)
+    else:
+        fn = na3d_fwd_kernel if args.kernel == "forward" else na3d_bwd_dq_kernel
+        constexprs.update(Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
+        constexprs.update(dict(STORE_LSE=False, SCALE_SIGN=1) if args.kernel == "forward" else dict(HAS_DLSE=False))
+    kernel = compile_for(fn, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -78,8 +91,8 @@ def main() -> None:
     if not loops:
         sys.exit("no key loop found")
     scores = (qt * qh * qw) * (kt * kh * kw) // (32 * args.warps)
-    print(f"q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
-          f"tma {not args.no_tma}: shared {kernel.metadata.shared} B")
+    print(f"{args.kernel}: q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
+          f"maxnreg {args.maxnreg} tma {tma}: shared {kernel.metadata.shared} B")
     # Every key loop, in code order (a kernel variant may have more than one).
     for body in loops:
         opcodes = collections.Counter()

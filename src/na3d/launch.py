@@ -154,8 +154,9 @@ def na3d_backward(
     results (the tests pass NaN-filled buffers).
 
     The config's ``fused`` flag picks the kernels (see ``kernels/backward.py``):
-    deterministic, two launches (dQ, which also writes ``delta = rowsum(dO * O) -
-    dlse``, then dK/dV); or fused, ``delta`` then one pass that adds dQ atomically
+    deterministic, two launches (dQ, which also writes the per-query statistics: lse
+    and ``delta = rowsum(dO * O) - dlse``, then dK/dV); or fused, the statistics
+    then one pass that adds dQ atomically
     into a float32 buffer. Under ``torch.use_deterministic_algorithms(True)`` the
     deterministic kernels run whatever the config says.
     """
@@ -173,21 +174,21 @@ def na3d_backward(
         raise ValueError(f"lse must have shape {tuple(q.shape[:-1])} (and grad_lse the same); got "
                          f"lse {tuple(lse.shape)}, grad_lse {None if grad_lse is None else tuple(grad_lse.shape)}")
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
+    stats = statistics_buffer(q)
     grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
                   CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
                   STRIDED=any(s != 1 for s in stride))
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
-        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, stride, scale, cfg,
+        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg,
                         common)
         return dq, dk, dv
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     use_tma = cfg.tma and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.dq_kv_tile) for x in (k, v)] if use_tma else [k, v]
     na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, delta, dq, *descs,
+        q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats, dq, *descs,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
         *dq.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
@@ -200,19 +201,36 @@ def na3d_backward(
     use_tma = cfg.tma and tma_layout_ok(q, grad_out)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out]
     na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, lse, delta, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
+        q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
+        statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
+        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, STATS_TMA=use_tma,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
     return dq, dk, dv
 
 
-def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_size, stride, scale, cfg, common):
-    """``delta``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
+def statistics_buffer(q: torch.Tensor) -> torch.Tensor:
+    """The backward's per-query statistics (``kernels/backward.py``): float32
+    ``(B, NH, T, H, W, 4)``, lse in log2 units and delta, 16 bytes per position (the
+    innermost extent a tensor descriptor reads at least)."""
+    B, T, H, W, NH, _ = q.shape
+    return torch.empty((B, NH, T, H, W, 4), dtype=torch.float32, device=q.device)
+
+
+def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int]):
+    """``stats`` as ``(B NH, T, H, W, 4)``, block ``(1, *q_box, 4)``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, NH, T, H, W, _ = stats.shape
+    return TensorDescriptor(stats, [B * NH, T, H, W, 4], [T * H * W * 4, H * W * 4, W * 4, 4, 1], [1, *q_box, 4])
+
+
+def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg, common):
+    """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
     from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
 
@@ -221,7 +239,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_
     dq, dk, dv = grads
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     na3d_bwd_delta_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        out, grad_out, grad_lse if grad_lse is not None else lse, delta,
+        out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats,
         *out.stride()[:5], *grad_out.stride()[:5], T, H, W, tiles[1], tiles[2],
         HEAD_DIM=HD, BLOCK_D=common["BLOCK_D"], Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
@@ -232,15 +250,16 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, delta, grads, kernel_
     bulk_dq = use_tma and not kernels_interpreted()
     descs = ([tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out])
     descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile) if bulk_dq else dq_acc)
+    descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats)
     na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, lse, delta, dk, dv, dq_acc, *descs,
+        q, k, v, grad_out, stats, dk, dv, dq_acc, *descs,
         *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
         *dk.stride()[:5], *dv.stride()[:5],
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
+        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, STATS_TMA=use_tma,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

@@ -7,11 +7,17 @@ All recompute the attention probabilities from the forward's log-sum-exp:
 
 Two ways to run them:
 
-* deterministic, no atomics: dQ over query boxes (it also writes ``delta``), then
+Per-query statistics go through one float32 buffer ``STATS``, contiguous
+``(B, NH, T, H, W, 4)``: ``lse * log2(e)``, ``delta``, two unused. Head-major and
+16 bytes per position, so the dK/dV kernel can read a box of them through a tensor
+descriptor (block ``(1, Q_T, Q_H, Q_W, 4)`` over ``(B NH, T, H, W, 4)``) instead of
+computing a 64-bit address per query and step.
+
+* deterministic, no atomics: dQ over query boxes (it also writes ``STATS``), then
   dK/dV over key boxes. Every output element is written by exactly one program,
   which sums its contributions in a fixed order. Seven tile products per (query
   box, key box) pair: both kernels recompute ``Q K^T`` and ``dO V^T``.
-* fused: ``delta`` first, then the dK/dV kernel with ``ACCUMULATE_DQ``: it also
+* fused: ``STATS`` first, then the dK/dV kernel with ``ACCUMULATE_DQ``: it also
   adds each step's ``dS^T K`` into a float32 dQ buffer with atomic adds. Five tile products per pair, but the order of the float32 additions into
   dQ varies from run to run (results differ in the last bits).
 """
@@ -29,9 +35,16 @@ from .common import (box_of_program, box_offsets, load_rows, next_box, queries_s
 LOG2_E = tl.constexpr(1.4426950408889634)
 
 
+@triton.jit
+def stats_index(batch, head, heads, t, h, w, T, H, W):
+    """Element index (int64) of the lse of positions ``(t, h, w)`` of one (batch,
+    head) in ``STATS``; their delta is the next element."""
+    return ((((batch.to(tl.int64) * heads + head) * T + t) * H + h) * W + w) * 4
+
+
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, K_DESC, V_DESC,
+    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -54,8 +67,8 @@ def na3d_bwd_dq_kernel(
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
-    It also writes ``delta`` (rowsum(dO * O) - dlse, float32, contiguous
-    ``(B, T, H, W, NH)``) for the dK/dV kernel that runs next. ``USE_TMA``: key and
+    It also writes ``STATS`` (see the module docstring) for the dK/dV kernel that
+    runs next. ``USE_TMA``: key and
     value boxes through tensor descriptors, as in the forward kernel.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
@@ -88,8 +101,10 @@ def na3d_bwd_dq_kernel(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
-    tl.store(DELTA + rows, delta, mask=q_valid)
     lse2 = tl.load(LSE + rows) * LOG2_E
+    stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+    tl.store(stats, lse2, mask=q_valid)
+    tl.store(stats + 1, delta, mask=q_valid)
 
     k_base = K + bh * stride_kb + hd * stride_kn
     v_base = V + bh * stride_vb + hd * stride_vn
@@ -131,7 +146,7 @@ def na3d_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
+    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -152,6 +167,7 @@ def na3d_bwd_dkdv_kernel(
     ACCUMULATE_DQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     BULK_DQ: tl.constexpr,
+    STATS_TMA: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -165,7 +181,11 @@ def na3d_bwd_dkdv_kernel(
     (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
     through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
     box) instead of an atomic per element; rows of queries outside the scanned
-    range add exact zeros (their ``dS`` is masked to 0).
+    range add exact zeros (their ``dS`` is masked to 0). ``STATS_TMA`` (with
+    ``USE_TMA``): the statistics of a query box through ``STATS_DESC`` (module
+    docstring); positions past the grid then read zeros, as their q and dO rows do,
+    so their contributions are exact zeros without a mask. Without it
+    ``STATS_DESC`` is never read.
     """
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
@@ -207,24 +227,42 @@ def na3d_bwd_dkdv_kernel(
         qt = c_t + off_t
         qh = c_h + off_h
         qw = c_w + off_w
-        # Queries past the range (neighbours, or repeats of its last one) are masked
-        # out: a duplicate would count twice.
-        q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-        qt = tl.minimum(qt, qt1 - 1)
-        qh = tl.minimum(qh, qh1 - 1)
-        qw = tl.minimum(qw, qw1 - 1)
-        pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-        if USE_TMA:
+        if STATS_TMA:
+            # Every query box through descriptors. Positions past the scanned range
+            # inside the grid see none of the box's keys (the mask drops them); past
+            # the grid, q, dO, lse and delta read zeros, so whatever the mask says
+            # their dV, dS (and so dK, dQ) terms are exact zeros.
             q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
             do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+            stats = STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, 0]).reshape(BLOCK_M, 2, 2)
+            lse2_pad, delta_pad = tl.split(stats)
+            lse2, _ = tl.split(lse2_pad)
+            delta, _ = tl.split(delta_pad)
+            visible = seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                              CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            if ACCUMULATE_DQ and not BULK_DQ:
+                q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+                rows = (((bh * T + qt) * H + qh) * W + qw) * heads + hd
         else:
-            q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
-            do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
-        rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
-        lse2 = tl.load(LSE + rows) * LOG2_E
-        delta = tl.load(DELTA + rows)
-        visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                          CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            # Queries past the range (neighbours, or repeats of its last one) are
+            # masked out: a duplicate would count twice.
+            q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+            qt = tl.minimum(qt, qt1 - 1)
+            qh = tl.minimum(qh, qh1 - 1)
+            qw = tl.minimum(qw, qw1 - 1)
+            pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
+            if USE_TMA:
+                q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+                do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
+            else:
+                q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
+                do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
+            rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
+            stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+            lse2 = tl.load(stats)
+            delta = tl.load(stats + 1)
+            visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                              CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         if ACCUMULATE_DQ:
             # Keys past the grid's end (repeats of the last one) must not reach dQ.
             visible = visible & k_valid[:, None]
@@ -255,7 +293,7 @@ def na3d_bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_delta_kernel(
-    O, DO, DLSE, DELTA,
+    O, DO, LSE, DLSE, STATS,
     stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
     stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
     T, H, W,
@@ -265,8 +303,9 @@ def na3d_bwd_delta_kernel(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
-    """Grid: (query tiles, heads, batch). ``delta = rowsum(dO * O) - dlse`` for a box
-    of queries (float32, contiguous ``(B, T, H, W, NH)``), for the fused kernel."""
+    """Grid: (query tiles, heads, batch). ``STATS`` (module docstring: lse in log2
+    units and ``delta = rowsum(dO * O) - dlse``) for a box of queries, for the fused
+    kernel."""
     head = tl.program_id(1)
     batch = tl.program_id(2)
     heads = tl.num_programs(1)
@@ -283,4 +322,6 @@ def na3d_bwd_delta_kernel(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
-    tl.store(DELTA + rows, delta, mask=q_valid)
+    stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+    tl.store(stats, tl.load(LSE + rows) * LOG2_E, mask=q_valid)
+    tl.store(stats + 1, delta, mask=q_valid)
