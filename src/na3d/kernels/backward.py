@@ -5,21 +5,22 @@ All recompute the attention probabilities from the forward's log-sum-exp:
 ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``. Then
 ``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = P^T dO``.
 
-Two ways to run them:
-
 Per-query statistics go through one float32 buffer ``STATS``, contiguous
 ``(B, NH, T, H, W, 4)``: ``lse * log2(e)``, ``delta``, two unused. Head-major and
 16 bytes per position, so the dK/dV kernel can read a box of them through a tensor
 descriptor (block ``(1, Q_T, Q_H, Q_W, 4)`` over ``(B NH, T, H, W, 4)``) instead of
 computing a 64-bit address per query and step.
 
+Two ways to run them:
+
 * deterministic, no atomics: dQ over query boxes (it also writes ``STATS``), then
   dK/dV over key boxes. Every output element is written by exactly one program,
   which sums its contributions in a fixed order. Seven tile products per (query
   box, key box) pair: both kernels recompute ``Q K^T`` and ``dO V^T``.
 * fused: ``STATS`` first, then the dK/dV kernel with ``ACCUMULATE_DQ``: it also
-  adds each step's ``dS^T K`` into a float32 dQ buffer with atomic adds. Five tile products per pair, but the order of the float32 additions into
-  dQ varies from run to run (results differ in the last bits).
+  adds each step's ``dS^T K`` into a float32 dQ buffer with atomic adds. Five
+  tile products per pair, but the order of the float32 additions into dQ varies
+  from run to run (results differ in the last bits).
 """
 
 import triton
@@ -68,8 +69,8 @@ def na3d_bwd_dq_kernel(
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
     It also writes ``STATS`` (see the module docstring) for the dK/dV kernel that
-    runs next. ``USE_TMA``: key and
-    value boxes through tensor descriptors, as in the forward kernel.
+    runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
+    the forward kernel.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
