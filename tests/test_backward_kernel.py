@@ -228,6 +228,35 @@ def test_fused_backward_tilings_with_lse_gradient(config, causal):
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25, grad_lse, is_causal=causal)
 
 
+@pytest.mark.parametrize("config", BWD_TILINGS, ids=range(len(BWD_TILINGS)))
+def test_statistics_through_descriptors_on_tilings_cut_by_borders(config, monkeypatch):
+    """16-bit inputs with packed heads: dK/dV reads q, dO and the per-query statistics
+    through tensor descriptors (positions past the grid read zeros, no range mask);
+    the same inputs through pointers (``tma=False``) take the masked path. Both match
+    the oracle, on boxes cut by the borders and larger than T."""
+    from na3d.kernels import backward as kernels
+
+    shape, kernel = (1, 3, 9, 7, 2, 16), (3, 5, 3)
+    q, k, v = make_qkv(shape, torch.float16, device=DEVICE, seed=6)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(11)).to(torch.float16).to(DEVICE)
+    flags = []
+    real = kernels.na3d_bwd_dkdv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch_(*args, **kwargs):
+                flags.append(kwargs["STATS_TMA"])
+                return real[grid](*args, **kwargs)
+            return launch_
+
+    monkeypatch.setattr(kernels, "na3d_bwd_dkdv_kernel", Spy())
+    through_descriptors = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=config)
+    through_pointers = kernel_grads(q, k, v, grad_out, kernel, 0.25, config=dataclasses.replace(config, tma=False))
+    assert flags == [launch.tma_layout_ok(q, grad_out), False]
+    assert_grads_match_oracle(through_descriptors, q, k, v, grad_out, kernel, 0.25)
+    assert_grads_match_oracle(through_pointers, q, k, v, grad_out, kernel, 0.25)
+
+
 def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the atomic-free kernels run."""
     from na3d.kernels import backward as kernels
