@@ -45,7 +45,7 @@ for entry in t.configs_for("sm90"):
     dual.update(tma)
     if "BULK_DQ" in na3d_bwd_dkdv_kernel.arg_names:
         dual["BULK_DQ"] = False
-    if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:
+    if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:  # a flag of revisions c07cec7..b2e21eb
         dual["STATS_TMA"] = False
     res[bucket + "/dkdv"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)).asm["ptx"]
 print(json.dumps(res))

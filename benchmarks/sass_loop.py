@@ -52,7 +52,7 @@ def main() -> None:
                       USE_TMA=tma)
     if args.kernel == "dkdv":
         fn = na3d_bwd_dkdv_kernel
-        constexprs.update(ACCUMULATE_DQ=False, BULK_DQ=False, STATS_TMA=tma,
+        constexprs.update(ACCUMULATE_DQ=False, BULK_DQ=False,
                           K_T=qt, K_H=qh, K_W=qw, Q_T=kt, Q_H=kh, Q_W=kw)
     else:
         fn = na3d_fwd_kernel if args.kernel == "forward" else na3d_bwd_dq_kernel

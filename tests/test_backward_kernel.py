@@ -245,7 +245,7 @@ def test_statistics_through_descriptors_on_tilings_cut_by_borders(config, monkey
     class Spy:
         def __getitem__(self, grid):
             def launch_(*args, **kwargs):
-                flags.append(kwargs["STATS_TMA"])
+                flags.append(kwargs["USE_TMA"])
                 return real[grid](*args, **kwargs)
             return launch_
 

@@ -34,8 +34,7 @@ TARGETS = {
     "gfx950": (("hip", "gfx950", 64), "mfma", "amdgcn"),
 }
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16",
-            "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32",
-            "STATS": "*fp32"}
+            "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DLSE": "*fp32", "DQ_ACC": "*fp32", "STATS": "*fp32"}
 
 
 def compile_for(kernel, target, constexprs, num_warps, num_stages, maxnreg=None):
@@ -48,7 +47,7 @@ def compile_for(kernel, target, constexprs, num_warps, num_stages, maxnreg=None)
             signature[name] = "constexpr"
         elif name == "STATS_DESC":  # the backward's statistics: (B NH, T, H, W, 4)
             box = [constexprs[f"Q_{a}"] for a in "THW"]
-            signature[name] = f"tensordesc<fp32[1,{box[0]},{box[1]},{box[2]},4]>" if constexprs["STATS_TMA"] else "*fp32"
+            signature[name] = f"tensordesc<fp32[1,{box[0]},{box[1]},{box[2]},4]>" if constexprs["USE_TMA"] else "*fp32"
         elif name.endswith("_DESC"):
             box = [constexprs.get(f"{'Q' if name in ('Q_DESC', 'DO_DESC', 'DQ_DESC') else 'KV'}_{a}") for a in "THW"]
             kind = "fp32" if name == "DQ_DESC" else "bf16"
@@ -139,13 +138,11 @@ def compile_all(arch):
                              dq_warps, dq_stages, dq_cap)
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
-            dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False,
-                                                                  STATS_TMA=use_tma, **dual),
+            dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **dual),
                                dkdv_warps, dkdv_stages, dkdv_cap)
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
-            fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma,
-                                                                   STATS_TMA=use_tma, **dual),
+            fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
                                 dkdv_warps, dkdv_stages, dkdv_cap)
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma:

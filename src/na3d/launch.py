@@ -156,8 +156,7 @@ def na3d_backward(
     The config's ``fused`` flag picks the kernels (see ``kernels/backward.py``):
     deterministic, two launches (dQ, which also writes the per-query statistics: lse
     and ``delta = rowsum(dO * O) - dlse``, then dK/dV); or fused, the statistics
-    then one pass that adds dQ atomically
-    into a float32 buffer. Under ``torch.use_deterministic_algorithms(True)`` the
+    then one pass that adds dQ atomically into a float32 buffer. Under ``torch.use_deterministic_algorithms(True)`` the
     deterministic kernels run whatever the config says.
     """
     from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
@@ -208,7 +207,7 @@ def na3d_backward(
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, STATS_TMA=use_tma,
+        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
     return dq, dk, dv
 
@@ -258,7 +257,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
         T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
         K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
         Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, STATS_TMA=use_tma,
+        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 

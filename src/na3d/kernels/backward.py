@@ -168,7 +168,6 @@ def na3d_bwd_dkdv_kernel(
     ACCUMULATE_DQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     BULK_DQ: tl.constexpr,
-    STATS_TMA: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -178,15 +177,14 @@ def na3d_bwd_dkdv_kernel(
     (unscaled) atomically into ``DQ_ACC``: float32, contiguous
     ``(B, T, H, W, NH, BLOCK_D)``, zero before the launch. Without it ``DQ_ACC`` is
     never touched. ``USE_TMA``: query and dO boxes through tensor descriptors
-    (block ``(1, Q_T, Q_H, Q_W, HEAD_DIM)``), as in the forward kernel. ``BULK_DQ``
+    (block ``(1, Q_T, Q_H, Q_W, HEAD_DIM)``), as in the forward kernel, and their
+    statistics through ``STATS_DESC`` (module docstring); positions past the grid
+    then read zeros for all four, so their terms are exact zeros without a range
+    mask. Without it ``STATS_DESC`` is never read. ``BULK_DQ``
     (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
     through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
     box) instead of an atomic per element; rows of queries outside the scanned
-    range add exact zeros (their ``dS`` is masked to 0). ``STATS_TMA`` (with
-    ``USE_TMA``): the statistics of a query box through ``STATS_DESC`` (module
-    docstring); positions past the grid then read zeros, as their q and dO rows do,
-    so their contributions are exact zeros without a mask. Without it
-    ``STATS_DESC`` is never read.
+    range add exact zeros (their ``dS`` is masked to 0).
     """
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
@@ -228,7 +226,7 @@ def na3d_bwd_dkdv_kernel(
         qt = c_t + off_t
         qh = c_h + off_h
         qw = c_w + off_w
-        if STATS_TMA:
+        if USE_TMA:
             # Every query box through descriptors. Positions past the scanned range
             # inside the grid see none of the box's keys (the mask drops them); past
             # the grid, q, dO, lse and delta read zeros, so whatever the mask says
@@ -252,12 +250,8 @@ def na3d_bwd_dkdv_kernel(
             qh = tl.minimum(qh, qh1 - 1)
             qw = tl.minimum(qw, qw1 - 1)
             pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-            if USE_TMA:
-                q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-                do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-            else:
-                q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
-                do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
+            q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
+            do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
             rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
             stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
             lse2 = tl.load(stats)
