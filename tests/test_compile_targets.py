@@ -9,7 +9,9 @@ This is what keeps the CPU-only CI honest about the compiled path: the interpret
 accepts code the compiler rejects (global constexprs, dot precisions an AMD
 backend does not know, ...). sm90 builds must use Hopper's wgmma (mma.sync where a
 table gives a box fewer than 64 rows or fewer than 4 warps: wgmma works on 64 rows
-per warpgroup of 4 warps), AMD builds MFMA.
+per warpgroup of 4 warps), AMD builds MFMA. Each configuration is compiled at head
+dim 64 and at the largest head dim its bucket serves, and must fit the target's
+shared memory (a table entry that does not would fail at launch on that GPU).
 """
 
 import json
@@ -33,6 +35,8 @@ TARGETS = {
     "gfx942": (("hip", "gfx942", 64), "mfma", "amdgcn"),
     "gfx950": (("hip", "gfx950", 64), "mfma", "amdgcn"),
 }
+# Shared memory (LDS on AMD) one program may use: the opt-in maximum per block.
+SHARED_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024, "gfx942": 64 * 1024, "gfx950": 160 * 1024}
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16",
             "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DLSE": "*fp32", "DQ_ACC": "*fp32", "STATS": "*fp32"}
 
@@ -78,13 +82,17 @@ def table_entries(arch):
 
 
 def configs_for(arch):
+    """Each distinct table configuration, at the usual head dim (64) and at the
+    largest its bucket serves (128, or 256 for the wide-head bucket): shared memory
+    grows with the head dim, and every size must fit the target."""
     seen = set()
     for entry in table_entries(arch):
-        head_dim = 256 if entry.get("when", {}).get("head_dim_min", 0) > 128 else 64
-        key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"], head_dim)
-        if key not in seen:
-            seen.add(key)
-            yield entry["bucket"], key, entry.get("backward"), entry.get("maxnreg")
+        wide = entry.get("when", {}).get("head_dim_min", 0) > 128
+        for head_dim in (256,) if wide else (64, 128):
+            key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"], head_dim)
+            if key not in seen:
+                seen.add(key)
+                yield entry["bucket"], key, entry.get("backward"), entry.get("maxnreg")
 
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.
@@ -105,6 +113,12 @@ def compile_all(arch):
 
     target, _, asm = TARGETS[arch]
     target = GPUTarget(*target)
+
+    def fits(kernel, what):
+        used = kernel.metadata.shared
+        assert used <= SHARED_LIMIT[arch], f"{arch} {bucket} head_dim {head_dim}: {what} needs {used} B of shared memory"
+        return kernel
+
     for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd, cap) in enumerate(configs_for(arch)):
         # Register caps are an NVIDIA compiler option; other backends reject the keyword.
         assert target.backend == "cuda" or cap is None and not any(
@@ -115,8 +129,8 @@ def compile_all(arch):
                     STRIDED=i % 2 == 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            fwd = compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
-                                                            USE_TMA=use_tma, **tiles), warps, stages, cap)
+            fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
+                                                                 USE_TMA=use_tma, **tiles), warps, stages, cap), "forward")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
             assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
             if use_tma:
@@ -134,16 +148,18 @@ def compile_all(arch):
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            dq = compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles),
-                             dq_warps, dq_stages, dq_cap)
+            dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles),
+                                  dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
-            dkdv = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **dual),
-                               dkdv_warps, dkdv_stages, dkdv_cap)
+            dkdv = fits(compile_for(na3d_bwd_dkdv_kernel, target,
+                                    dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **dual),
+                                    dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
-            fused = compile_for(na3d_bwd_dkdv_kernel, target, dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
-                                dkdv_warps, dkdv_stages, dkdv_cap)
+            fused = fits(compile_for(na3d_bwd_dkdv_kernel, target,
+                                     dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
+                                     dkdv_warps, dkdv_stages, dkdv_cap), "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
@@ -151,7 +167,7 @@ def compile_all(arch):
         delta = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, HAS_DLSE=True,
                      Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2])
         compile_for(na3d_bwd_delta_kernel, target, delta, 4, 1)
-    print(f"{arch}: all kernels compiled with every table configuration")
+    print(f"{arch}: all kernels compiled with every table configuration, within {SHARED_LIMIT[arch]} B of shared memory")
 
 
 @pytest.mark.skipif(triton is None, reason="Triton is not installed")
