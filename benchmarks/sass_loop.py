@@ -1,7 +1,9 @@
 """A kernel's main loop in sm90 SASS, compiled here (no GPU needed): instructions
-per step and their opcode histogram. The kernels are bound by instruction issue on
-the H200, so this count is the first thing to check when changing a loop (then
-time it on the GPU).
+per step and their opcode histogram. On the H200 the loops are co-limited by
+instruction issue and shared-memory bandwidth (benchmarks/NOTES.md, v10), so this
+count is a first check when changing a loop, never the verdict: a change that
+removes instructions but adds shared-memory traffic can still lose. Time it on the
+GPU.
 
     python benchmarks/sass_loop.py [--kernel forward|dq|dkdv] [--q-tile 4 4 4] [--kv-tile 2 2 16]
                                    [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--dump]

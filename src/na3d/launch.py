@@ -156,8 +156,9 @@ def na3d_backward(
     The config's ``fused`` flag picks the kernels (see ``kernels/backward.py``):
     deterministic, two launches (dQ, which also writes the per-query statistics: lse
     and ``delta = rowsum(dO * O) - dlse``, then dK/dV); or fused, the statistics
-    then one pass that adds dQ atomically into a float32 buffer. Under ``torch.use_deterministic_algorithms(True)`` the
-    deterministic kernels run whatever the config says.
+    then one pass that adds dQ atomically into a float32 buffer. Under
+    ``torch.use_deterministic_algorithms(True)`` the deterministic kernels run
+    whatever the config says.
     """
     from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
 

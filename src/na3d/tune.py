@@ -332,8 +332,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--launch", nargs="*", default=["4,2", "4,3", "8,2"],
                         help="forward num_warps,num_stages settings to try (8 warps only on 128-query boxes, "
                              "1-2 warps only on boxes of at most 32 queries)")
-    parser.add_argument("--bwd-launch", nargs="*", default=["4,1", "4,2", "8,1"],
-                        help="the same for the backward kernels (the dK/dV kernel's rows are its key box)")
+    parser.add_argument("--bwd-launch", nargs="*", default=["4,1", "4,2", "4,3", "8,1"],
+                        help="the same for the backward kernels (the dK/dV kernel's rows are its key box; "
+                             "the sm90 table's dK/dV runs 3 stages)")
     parser.add_argument("--maxnreg", nargs="*", type=int, default=None,
                         help="forward register caps to try with every candidate (0: none); default: the table's")
     parser.add_argument("--no-forward", action="store_true", help="keep the forward tiles as they are")
