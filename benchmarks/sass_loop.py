@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--maxnreg", type=int, default=None, help="register cap, as a table's maxnreg")
     parser.add_argument("--no-tma", action="store_true")
+    parser.add_argument("--fixed", default="", metavar="AXES",
+                        help="forward, dq: axes (of t, h, w) whose mask is computed once per program, e.g. 'w'")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -60,6 +62,8 @@ def main() -> None:
         fn = na3d_fwd_kernel if args.kernel == "forward" else na3d_bwd_dq_kernel
         constexprs.update(Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
         constexprs.update(dict(STORE_LSE=False, SCALE_SIGN=1) if args.kernel == "forward" else dict(HAS_DLSE=False))
+    if args.kernel != "dkdv":
+        constexprs.update({f"FIXED_{axis.upper()}": axis in args.fixed for axis in "thw"})
     kernel = compile_for(fn, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -93,8 +97,10 @@ def main() -> None:
     if not loops:
         sys.exit("no key loop found")
     scores = (qt * qh * qw) * (kt * kh * kw) // (32 * args.warps)
+    # Registers: one past the highest one named (ptxas allocates in steps of 8 above that).
+    registers = 1 + max((int(r) for _, t in instructions for r in re.findall(r"\bR(\d+)\b", t)), default=-1)
     print(f"{args.kernel}: q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
-          f"maxnreg {args.maxnreg} tma {tma}: shared {kernel.metadata.shared} B")
+          f"maxnreg {args.maxnreg} tma {tma}: shared {kernel.metadata.shared} B, {registers} registers named")
     # Every key loop, in code order (a kernel variant may have more than one).
     for body in loops:
         opcodes = collections.Counter()

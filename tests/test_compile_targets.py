@@ -97,6 +97,8 @@ def configs_for(arch):
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.
 CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True), (True, True, False)]
+# Axes whose mask part the forward computes once per program (launch.fixed_axes).
+FIXED_CYCLE = [(False, False, True), (True, True, False), (False, True, True), (True, True, True)]
 
 
 def product_instruction(arch, rows, warps):
@@ -129,12 +131,16 @@ def compile_all(arch):
                     STRIDED=i % 2 == 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
-                                                                 USE_TMA=use_tma, **tiles), warps, stages, cap), "forward")
-            expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
-            assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
-            if use_tma:
-                assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
+            # The window mask computed once along no axis, and along a cycling set of them.
+            for fixed in ((False, False, False), FIXED_CYCLE[i % len(FIXED_CYCLE)]):
+                flags = dict(zip(("FIXED_T", "FIXED_H", "FIXED_W"), fixed))
+                fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
+                                                                     USE_TMA=use_tma, **tiles, **flags),
+                                       warps, stages, cap), "forward")
+                expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
+                assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
+                if use_tma:
+                    assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
         dkdv_k, dkdv_q = q_tile, kv_tile
@@ -148,7 +154,9 @@ def compile_all(arch):
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles),
+            fixed = dict(zip(("FIXED_T", "FIXED_H", "FIXED_W"), FIXED_CYCLE[(i + use_tma) % len(FIXED_CYCLE)]))
+            dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles,
+                                                                   **fixed),
                                   dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"

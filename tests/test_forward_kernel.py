@@ -146,3 +146,34 @@ def test_forward_with_register_cap():
     cfg = ForwardConfig((2, 2, 4), (1, 2, 8), num_warps=4, num_stages=2, maxnreg=128)
     out, _ = run_poisoned(q, k, v, kernel, 0.25, config=cfg)
     assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25)
+
+
+# Configurations whose key box covers every program's union along some axes, so the
+# kernel computes that part of the mask once per program (launch.fixed_axes):
+# (q_tile, kv_tile, kernel, causal, stride, the axes expected fixed).
+FIXED_MASK_CASES = [
+    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "THW"),  # one step in all
+    ((2, 2, 4), (1, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "HW"),
+    ((1, 4, 4), (1, 2, 16), (3, 5, 5), (False, False, False), (1, 1, 1), "W"),
+    ((2, 4, 4), (4, 2, 4), (3, 3, 3), (False, False, False), (1, 1, 1), "T"),
+    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (True, False, True), (1, 1, 1), "THW"),    # causal axes
+    ((2, 2, 4), (1, 8, 8), (3, 4, 5), (False, False, False), (1, 2, 1), "HW"),   # a NATTEN stride
+    ((2, 2, 4), (1, 4, 8), (3, 4, 5), (False, False, True), (1, 2, 2), "W"),     # stride on the fixed axis
+]
+
+
+@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(FIXED_MASK_CASES))]
+                         + [(0, -0.7), (0, 0.0), (1, -0.7), (1, 0.0)])
+def test_forward_mask_fixed_along_some_axes(case, scale):
+    # Odd grid sizes cut the boxes at every border; B > 1; fp16 cases load K/V boxes
+    # through tensor descriptors, fp32 ones through pointers.
+    q_tile, kv_tile, kernel, causal, stride, fixed = FIXED_MASK_CASES[case]
+    flags = launch.fixed_axes(q_tile, kv_tile, kernel, causal, stride)
+    assert [axis for axis in "THW" if flags[f"FIXED_{axis}"]] == list(fixed)
+    shape = (2, 5, 7, 9, 2, 16)
+    dtype = torch.float16 if case % 2 else torch.float32
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=31 + case)
+    cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=2)
+    out = poisoned_like(q)
+    launch.na3d_forward(q, k, v, kernel, scale, out=out, config=cfg, is_causal=causal, stride=stride)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale, is_causal=causal, stride=stride)

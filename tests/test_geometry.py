@@ -169,3 +169,21 @@ def test_union_and_queries_seeing_per_causal_flag(causal, stride):
                 lo, hi = geometry.union_of_windows(a, b, length, kernel, causal, stride)
                 cols = sees[a:b + 1].any(0).nonzero().flatten().tolist()
                 assert (lo, hi) == (cols[0], cols[-1] + 1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_union_width_bound_holds_for_every_length_and_box(causal):
+    """The kernels scan a fixed axis once per program only if this bound is right."""
+    for kernel, stride, box in itertools.product([1, 2, 3, 5, 6, 11], [1, 2, 3, 4], [1, 2, 3, 4, 8]):
+        if stride > kernel:
+            continue
+        bound = geometry.union_width_bound(box, kernel, causal, stride)
+        widest = 0
+        for length in range(kernel, kernel + 3 * box + 2 * stride + 4):
+            for first in range(length):  # every run, not only box-aligned ones
+                start, stop = geometry.union_of_windows(first, min(first + box, length) - 1, length, kernel,
+                                                        causal, stride)
+                widest = max(widest, stop - start)
+        assert widest <= bound, (kernel, stride, box, widest, bound)
+        if stride == 1:
+            assert widest == bound, "the stride-1 bound is reached on long enough axes"

@@ -32,7 +32,10 @@ class ForwardConfig:
     through tensor descriptors where the GPU and the tensors' layout allow (see
     ``launch.tma_layout_ok``); elsewhere the kernel loads through pointers.
     ``maxnreg``: a cap on registers per thread (NVIDIA only, passed to the compiler),
-    or None for the compiler's choice; a lower cap fits more programs on an SM."""
+    or None for the compiler's choice; a lower cap fits more programs on an SM.
+    ``fixed_mask``: along axes where the scan never moves (``launch.fixed_axes``),
+    compute the window mask once per program and let the QK^T product add it; off
+    where holding it costs more than it saves (the 1-warp boxes of short windows)."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
@@ -40,6 +43,7 @@ class ForwardConfig:
     bucket: str = "explicit"
     tma: bool = True
     maxnreg: Optional[int] = None
+    fixed_mask: bool = True
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -74,7 +78,8 @@ class BackwardConfig:
     query box then only sizes the ``delta`` pass); it is not deterministic, and
     ``torch.use_deterministic_algorithms(True)`` overrides it. ``tma``: as in
     :class:`ForwardConfig`, for the boxes each kernel scans; ``dq_maxnreg`` and
-    ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``.
+    ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``;
+    ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -89,6 +94,7 @@ class BackwardConfig:
     tma: bool = True
     dq_maxnreg: Optional[int] = None
     dkdv_maxnreg: Optional[int] = None
+    fixed_mask: bool = True
 
     @property
     def dkdv_warps(self) -> int:
@@ -184,7 +190,7 @@ def forward_config(
     unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
     kv_tile = _fit(entry["kv_tile"], unions)
     return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"],
-                         entry.get("tma", True), entry.get("maxnreg"))
+                         entry.get("tma", True), entry.get("maxnreg"), bool(entry.get("fixed_mask", True)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -208,7 +214,7 @@ def backward_config(
     bwd = entry.get("backward")
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
-                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma)
+                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask)
     return fit_backward(bwd, shape, kernel_size, fwd.bucket)
 
 
@@ -217,7 +223,7 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
-    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``.
+    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``.
     """
     dq_q = _fit(bwd["dq"][0], shape)
     dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
@@ -225,4 +231,5 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
-                          bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"))
+                          bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
+                          bool(bwd.get("fixed_mask", True)))

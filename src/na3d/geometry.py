@@ -105,6 +105,23 @@ def union_of_windows(first: int, last: int, length: int, kernel_size: int,
             window_bounds(last, length, kernel_size, 1, is_causal, stride)[1])
 
 
+def union_width_bound(box: int, kernel_size: int, is_causal: bool = False, stride: int = 1) -> int:
+    """An upper bound, over every axis length and box position, of the width of
+    :func:`union_of_windows` for a run of ``box`` consecutive queries.
+
+    Window starts move by at most as much as the stride leaders do (a clamp only
+    narrows the gap), and the leaders of ``box`` consecutive queries lie at most
+    ``box - 1 + stride - 1`` apart; a window is ``kernel_size`` wide. On a causal
+    axis the union ends at the last query and starts no earlier than
+    ``kernel_size - 1`` before the first, whatever the stride. The bound does not
+    depend on the axis length, so a kernel specialized on it does not have to be
+    recompiled when the length changes.
+    """
+    if is_causal:
+        return box - 1 + kernel_size
+    return box - 1 + (stride - 1) + kernel_size
+
+
 def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int,
                    is_causal: bool = False, stride: int = 1) -> Tuple[int, int]:
     """``[first, stop)``: the queries whose windows contain a key of ``first_key..last_key``.

@@ -187,7 +187,8 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
 
 
 def config_key(cfg: configs.ForwardConfig) -> str:
-    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg])
+    return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg,
+                       cfg.fixed_mask])
 
 
 def backward_key(cfg: configs.BackwardConfig) -> str:
@@ -196,7 +197,8 @@ def backward_key(cfg: configs.BackwardConfig) -> str:
                        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                        "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages, "tma": cfg.tma,
                        **{name: getattr(cfg, name) for name in ("dq_maxnreg", "dkdv_maxnreg")
-                          if getattr(cfg, name) is not None}})
+                          if getattr(cfg, name) is not None},
+                       **({} if cfg.fixed_mask else {"fixed_mask": False})})
 
 
 def choose(results: Dict[str, Dict[str, float]], names: List[str]) -> Tuple[str, float, Dict[str, float]]:
@@ -222,10 +224,14 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     tiles.discard(current)
     # Each with key/value boxes loaded through tensor descriptors and through pointers.
     # Register caps: those of --maxnreg (0: none), else the table's own.
+    # The table's own tiles also with the mask computed on every step (fixed_mask
+    # flipped); other tiles with the default (fixed where the geometry allows).
     tma = entry.get("tma", True)
+    fixed = bool(entry.get("fixed_mask", True))
     caps = [c or None for c in args.maxnreg] if args.maxnreg else [entry.get("maxnreg")]
-    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", flag, cap)
-                  for flag in (tma, not tma) for cap in caps]
+    candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", flag, cap,
+                                        fixed_flag)
+                  for flag in (tma, not tma) for cap in caps for fixed_flag in (fixed, not fixed)]
     candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap)
                    for qt, kt in sorted(tiles) for w, st in launches for flag in (True, False) for cap in caps
                    if launch_fits(math.prod(qt), w)]
@@ -236,12 +242,16 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
         torch.cuda.empty_cache()
     names = [s["name"] for s in members]
     choice, slow, best = choose(results, names)
-    qt, kt, warps, stages, tma, cap = json.loads(choice)
+    qt, kt, warps, stages, tma, cap, fixed = json.loads(choice)
     entry.update(q_tile=qt, kv_tile=kt, num_warps=warps, num_stages=stages, tma=tma)
     if cap is None:
         entry.pop("maxnreg", None)
     else:
         entry["maxnreg"] = cap
+    if fixed:
+        entry.pop("fixed_mask", None)
+    else:
+        entry["fixed_mask"] = False
     entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
     log(f"bucket {entry['bucket']} forward: {choice} (geomean slowdown {slow:.3f})")
     return results
@@ -275,9 +285,11 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
         dkdv_now = (tuple(bwd["dkdv"][0]), tuple(bwd["dkdv"][1]), bwd.get("dkdv_num_warps", bwd["num_warps"]),
                     bwd.get("dkdv_num_stages", bwd["num_stages"]))
 
-    # Register caps and the descriptor flag are kept as the table states them (not searched here).
+    # Register caps, the descriptor flag and fixed_mask are kept as the table states them (not searched here).
     caps = {name: bwd[name] for name in ("dq_maxnreg", "dkdv_maxnreg") if bwd and bwd.get(name) is not None}
     caps["tma"] = bool((bwd or entry).get("tma", True))
+    if not (bwd or entry).get("fixed_mask", True):
+        caps["fixed_mask"] = False
 
     def as_config(dq, dkdv, spec=None):
         """A candidate as a config: as the table will state it, or fitted to ``spec``'s shape."""

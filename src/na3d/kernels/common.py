@@ -122,6 +122,47 @@ def next_box(i_t, i_h, i_w, steps_h, steps_w):
 
 
 @triton.jit
+def in_window(key, start, stop):
+    """Boolean [queries, keys]: key position ``key[j]`` lies in ``[start[i], stop[i])``."""
+    return (key[None, :] >= start[:, None]) & (key[None, :] < stop[:, None])
+
+
+@triton.jit
+def fixed_mask_bias(kt, kh, kw, st, et, sh, eh, sw, ew,
+                    FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, MASKED: tl.constexpr = float("-inf")):
+    """The window mask along the fixed axes only, as a [queries, keys] float32 matrix
+    of 0 (visible) and ``MASKED``: keys ``(kt, kh, kw)`` of the one box scanned along
+    those axes, query windows ``[s, e)`` per axis."""
+    ok = tl.full([ROWS, COLS], 1, tl.int1)
+    if FIXED_T:
+        ok &= in_window(kt, st, et)
+    if FIXED_H:
+        ok &= in_window(kh, sh, eh)
+    if FIXED_W:
+        ok &= in_window(kw, sw, ew)
+    return tl.where(ok, 0.0, MASKED)
+
+
+@triton.jit
+def moving_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
+                     FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
+                     MASKED: tl.constexpr = float("-inf")):
+    """``fixed_bias`` with this step's keys ``(kt, kh, kw)`` also masked along the axes
+    that move (one select per score; none when every axis is fixed)."""
+    if FIXED_T and FIXED_H and FIXED_W:
+        return fixed_bias
+    ok = tl.full(fixed_bias.shape, 1, tl.int1)
+    if not FIXED_T:
+        ok &= in_window(kt, st, et)
+    if not FIXED_H:
+        ok &= in_window(kh, sh, eh)
+    if not FIXED_W:
+        ok &= in_window(kw, sw, ew)
+    return tl.where(ok, fixed_bias, MASKED)
+
+
+@triton.jit
 def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
          CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr):
     """Boolean [queries, keys] matrix: query (qt, qh, qw)[i] sees key (kt, kh, kw)[j]."""

@@ -7,7 +7,8 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import box_of_program, box_offsets, next_box, sees, union_of_windows
+from .common import (box_of_program, box_offsets, fixed_mask_bias, moving_mask_bias, next_box, sees,
+                     union_of_windows, window_bounds)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
@@ -31,6 +32,7 @@ def na3d_fwd_kernel(
     STORE_LSE: tl.constexpr,
     SCALE_SIGN: tl.constexpr,
     USE_TMA: tl.constexpr,
+    FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
     of one (batch, head), against the union of their windows, scanned in
@@ -46,6 +48,13 @@ def na3d_fwd_kernel(
     arithmetic and registers. Boxes then start at the scan position itself: a box
     running past the union reads the neighbouring keys (zeros past the tensor's
     end), which the mask drops. Without it the descriptors are never read.
+
+    ``FIXED_T/H/W``: the launcher guarantees that along this axis every program's
+    union fits one key box (``geometry.union_width_bound``), so the scan never
+    moves along it and that part of the window mask is the same on every step. It
+    is then computed once, as an additive 0 / -inf matrix, and handed to the QK^T
+    product as its accumulator: the tensor cores add it, and each step only
+    selects on the axes that do move (one select per score instead of two).
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
@@ -77,6 +86,17 @@ def na3d_fwd_kernel(
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
+    # Scores the mask drops: -inf, or +inf when the scale is negative (the row
+    # "maximum" is then taken as a minimum of the raw scores, see below).
+    MASKED: tl.constexpr = float("inf") if SCALE_SIGN < 0 else float("-inf")
+    st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
+    sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
+    sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
+    # (A zero scale has no scores to add the bias to: it keeps the plain mask.)
+    HOISTED: tl.constexpr = (FIXED_T or FIXED_H or FIXED_W) and SCALE_SIGN != 0
+    if HOISTED:
+        fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
+                                     FIXED_T, FIXED_H, FIXED_W, BLOCK_Q, BLOCK_KV, MASKED)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
@@ -96,17 +116,25 @@ def na3d_fwd_kernel(
                     + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_kh
                     + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_kw)
             k = tl.load(k_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                       CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        if HOISTED:
+            s = tl.dot(q, tl.trans(k), moving_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
+                                                        FIXED_T, FIXED_H, FIXED_W, MASKED),
+                       input_precision="ieee")
+            visible = None
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         # The row maximum of the scaled scores is taken on the raw ones (the scale's
         # sign picks max or min), so that scaling and subtracting it fuse into one
         # FMA per score.
         if SCALE_SIGN > 0:
-            s = tl.where(visible, s, float("-inf"))
+            if not HOISTED:
+                s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         elif SCALE_SIGN < 0:
-            s = tl.where(visible, s, float("inf"))
+            if not HOISTED:
+                s = tl.where(visible, s, float("inf"))
             m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
         else:
             s = tl.where(visible, 0.0, float("-inf"))
