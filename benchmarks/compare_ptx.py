@@ -27,7 +27,7 @@ from na3d.kernels.forward import na3d_fwd_kernel
 from na3d.kernels.backward import na3d_bwd_dq_kernel, na3d_bwd_dkdv_kernel
 # Flags a revision's kernels do not have are left out (older code had none).
 flags = {f: False for f in ("CAUSAL_T", "CAUSAL_H", "CAUSAL_W", "STRIDED") if f in na3d_fwd_kernel.arg_names}
-fixed = {f: False for f in ("FIXED_T", "FIXED_H", "FIXED_W") if f in na3d_fwd_kernel.arg_names}
+fixed = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kernel.arg_names}
 tgt = GPUTarget("cuda", 90, 32)
 res = {}
 for entry in t.configs_for("sm90"):
@@ -39,7 +39,7 @@ for entry in t.configs_for("sm90"):
     res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra, **fixed), w,
                                          st).asm["ptx"]
     tma = {"USE_TMA": False} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
-    dq_fixed = {f: False for f in ("FIXED_T", "FIXED_H", "FIXED_W") if f in na3d_bwd_dq_kernel.arg_names}
+    dq_fixed = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_bwd_dq_kernel.arg_names}
     res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma,
                                                                       **dq_fixed), w, max(1, st - 1)).asm["ptx"]
     if "ACCUMULATE_DQ" in na3d_bwd_dkdv_kernel.arg_names:

@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--no-tma", action="store_true")
     parser.add_argument("--fixed", default="", metavar="AXES",
                         help="forward, dq: axes (of t, h, w) whose mask is computed once per program, e.g. 'w'")
+    parser.add_argument("--bits", default="", metavar="AXES",
+                        help="forward, dq: moving axes masked from window bits (needs a --fixed axis), e.g. 'th'")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -62,8 +64,9 @@ def main() -> None:
         fn = na3d_fwd_kernel if args.kernel == "forward" else na3d_bwd_dq_kernel
         constexprs.update(Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
         constexprs.update(dict(STORE_LSE=False, SCALE_SIGN=1) if args.kernel == "forward" else dict(HAS_DLSE=False))
-    if args.kernel != "dkdv":
-        constexprs.update({f"FIXED_{axis.upper()}": axis in args.fixed for axis in "thw"})
+    if args.kernel != "dkdv":  # launch.mask_modes: 0 per step, 1 window bits, 2 fixed
+        constexprs.update({f"MASK_{axis.upper()}": 2 if axis in args.fixed else 1 if axis in args.bits else 0
+                           for axis in "thw"})
     kernel = compile_for(fn, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])

@@ -295,24 +295,24 @@ def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
 
 
 # dQ boxes whose key box covers every program's union along some axes (the mask of
-# those axes computed once per program, as in the forward): (dQ query box, key box,
-# kernel, causal, stride, the axes expected fixed).
-DQ_FIXED_CASES = [
-    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "THW"),
-    ((1, 4, 4), (1, 2, 16), (3, 5, 5), (False, False, False), (1, 1, 1), "W"),
-    ((2, 4, 4), (4, 2, 4), (3, 3, 3), (True, False, False), (1, 1, 1), "T"),
-    ((2, 2, 4), (1, 4, 8), (3, 4, 5), (False, False, True), (1, 2, 2), "W"),
+# those axes computed once per program, the others from window bits, as in the
+# forward): (dQ query box, key box, kernel, causal, stride, expected modes T, H, W).
+DQ_MASK_CASES = [
+    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "FFF"),
+    ((1, 4, 4), (1, 2, 16), (3, 5, 5), (False, False, False), (1, 1, 1), "BBF"),
+    ((2, 4, 4), (4, 2, 4), (3, 3, 3), (True, False, False), (1, 1, 1), "FBB"),
+    ((2, 2, 4), (1, 4, 8), (3, 4, 5), (False, False, True), (1, 2, 2), "BBF"),
 ]
 
 
-@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(DQ_FIXED_CASES))] + [(0, -0.7), (1, 0.0)])
+@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(DQ_MASK_CASES))] + [(0, -0.7), (1, 0.0)])
 def test_backward_dq_mask_fixed_along_some_axes(case, scale):
     # Odd grid sizes, B > 1, a gradient into lse; fp16 cases load boxes through
-    # descriptors. A scale <= 0 turns the fixed mask off (a masked score times it
-    # would not be -inf): same results either way.
-    q_tile, kv_tile, kernel, causal, stride, fixed = DQ_FIXED_CASES[case]
-    flags = launch.fixed_axes(q_tile, kv_tile, kernel, causal, stride)
-    assert [axis for axis in "THW" if flags[f"FIXED_{axis}"]] == list(fixed)
+    # descriptors. A scale <= 0 keeps the plain mask (a masked score times it would
+    # not be -inf): same results either way.
+    q_tile, kv_tile, kernel, causal, stride, expected = DQ_MASK_CASES[case]
+    modes = launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)
+    assert "".join("PBF"[modes[f"MASK_{axis}"]] for axis in "THW") == expected
     shape = (2, 5, 7, 9, 1, 16)
     dtype = torch.float16 if case % 2 else torch.float32
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=41 + case)

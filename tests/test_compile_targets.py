@@ -97,8 +97,8 @@ def configs_for(arch):
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.
 CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True), (True, True, False)]
-# Axes whose mask part the forward computes once per program (launch.fixed_axes).
-FIXED_CYCLE = [(False, False, True), (True, True, False), (False, True, True), (True, True, True)]
+# Window-mask modes per axis (launch.mask_modes: 0 per step, 1 window bits, 2 once per program).
+MASK_CYCLE = [(1, 1, 2), (2, 2, 0), (0, 2, 2), (2, 2, 2), (2, 1, 1)]
 
 
 def product_instruction(arch, rows, warps):
@@ -131,9 +131,9 @@ def compile_all(arch):
                     STRIDED=i % 2 == 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            # The window mask computed once along no axis, and along a cycling set of them.
-            for fixed in ((False, False, False), FIXED_CYCLE[i % len(FIXED_CYCLE)]):
-                flags = dict(zip(("FIXED_T", "FIXED_H", "FIXED_W"), fixed))
+            # The plain per-step mask, and a cycling choice of modes.
+            for modes in ((0, 0, 0), MASK_CYCLE[i % len(MASK_CYCLE)]):
+                flags = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes))
                 fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
                                                                      USE_TMA=use_tma, **tiles, **flags),
                                        warps, stages, cap), "forward")
@@ -154,9 +154,9 @@ def compile_all(arch):
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            fixed = dict(zip(("FIXED_T", "FIXED_H", "FIXED_W"), FIXED_CYCLE[(i + use_tma) % len(FIXED_CYCLE)]))
+            modes = dict(zip(("MASK_T", "MASK_H", "MASK_W"), MASK_CYCLE[(i + use_tma) % len(MASK_CYCLE)]))
             dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles,
-                                                                   **fixed),
+                                                                   **modes),
                                   dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"

@@ -149,27 +149,31 @@ def test_forward_with_register_cap():
 
 
 # Configurations whose key box covers every program's union along some axes, so the
-# kernel computes that part of the mask once per program (launch.fixed_axes):
-# (q_tile, kv_tile, kernel, causal, stride, the axes expected fixed).
-FIXED_MASK_CASES = [
-    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "THW"),  # one step in all
-    ((2, 2, 4), (1, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "HW"),
-    ((1, 4, 4), (1, 2, 16), (3, 5, 5), (False, False, False), (1, 1, 1), "W"),
-    ((2, 4, 4), (4, 2, 4), (3, 3, 3), (False, False, False), (1, 1, 1), "T"),
-    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (True, False, True), (1, 1, 1), "THW"),    # causal axes
-    ((2, 2, 4), (1, 8, 8), (3, 4, 5), (False, False, False), (1, 2, 1), "HW"),   # a NATTEN stride
-    ((2, 2, 4), (1, 4, 8), (3, 4, 5), (False, False, True), (1, 2, 2), "W"),     # stride on the fixed axis
+# kernel computes that part of the mask once per program and masks the others from
+# window bits (launch.mask_modes): (q_tile, kv_tile, kernel, causal, stride, the
+# expected mode per axis T, H, W: F fixed, B bits, P per-step compares).
+MASK_CASES = [
+    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "FFF"),  # one step in all
+    ((2, 2, 4), (1, 4, 8), (3, 3, 5), (False, False, False), (1, 1, 1), "BFF"),
+    ((1, 4, 4), (1, 2, 16), (3, 5, 5), (False, False, False), (1, 1, 1), "BBF"),
+    ((2, 4, 4), (4, 2, 4), (3, 3, 3), (False, False, False), (1, 1, 1), "FBB"),
+    ((2, 2, 4), (4, 4, 8), (3, 3, 5), (True, False, True), (1, 1, 1), "FFF"),    # causal axes
+    ((2, 2, 4), (1, 8, 8), (3, 4, 5), (False, False, False), (1, 2, 1), "BFF"),   # a NATTEN stride
+    ((2, 2, 4), (1, 4, 8), (3, 4, 5), (False, False, True), (1, 2, 2), "BBF"),    # stride and causal
 ]
 
 
-@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(FIXED_MASK_CASES))]
+def mode_letters(modes):
+    return "".join("PBF"[modes[f"MASK_{axis}"]] for axis in "THW")
+
+
+@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(MASK_CASES))]
                          + [(0, -0.7), (0, 0.0), (1, -0.7), (1, 0.0)])
 def test_forward_mask_fixed_along_some_axes(case, scale):
     # Odd grid sizes cut the boxes at every border; B > 1; fp16 cases load K/V boxes
     # through tensor descriptors, fp32 ones through pointers.
-    q_tile, kv_tile, kernel, causal, stride, fixed = FIXED_MASK_CASES[case]
-    flags = launch.fixed_axes(q_tile, kv_tile, kernel, causal, stride)
-    assert [axis for axis in "THW" if flags[f"FIXED_{axis}"]] == list(fixed)
+    q_tile, kv_tile, kernel, causal, stride, expected = MASK_CASES[case]
+    assert mode_letters(launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)) == expected
     shape = (2, 5, 7, 9, 2, 16)
     dtype = torch.float16 if case % 2 else torch.float32
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=31 + case)
@@ -177,3 +181,18 @@ def test_forward_mask_fixed_along_some_axes(case, scale):
     out = poisoned_like(q)
     launch.na3d_forward(q, k, v, kernel, scale, out=out, config=cfg, is_causal=causal, stride=stride)
     assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale, is_causal=causal, stride=stride)
+
+
+@pytest.mark.parametrize("case,modes", [(1, (0, 2, 2)), (2, (0, 1, 2)), (3, (2, 0, 1))])
+def test_forward_per_step_compares_beside_a_fixed_axis(case, modes, monkeypatch):
+    # Per-step compares on a moving axis (what the launcher picks where window bits
+    # would not fit 31 bits, which needs kernels larger than a test grid) together
+    # with fixed and bit-masked axes.
+    q_tile, kv_tile, kernel, causal, stride, _ = MASK_CASES[case]
+    monkeypatch.setattr(launch, "mask_modes", lambda *args: dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes)))
+    shape = (1, 5, 7, 9, 2, 16)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=51 + case)
+    cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=2)
+    out = poisoned_like(q)
+    launch.na3d_forward(q, k, v, kernel, 0.3, out=out, config=cfg, is_causal=causal, stride=stride)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, is_causal=causal, stride=stride)

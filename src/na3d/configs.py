@@ -33,8 +33,9 @@ class ForwardConfig:
     ``launch.tma_layout_ok``); elsewhere the kernel loads through pointers.
     ``maxnreg``: a cap on registers per thread (NVIDIA only, passed to the compiler),
     or None for the compiler's choice; a lower cap fits more programs on an SM.
-    ``fixed_mask``: along axes where the scan never moves (``launch.fixed_axes``),
-    compute the window mask once per program and let the QK^T product add it; off
+    ``fixed_mask``: along axes where the scan never moves (``launch.mask_modes``),
+    compute the window mask once per program and let the QK^T product add it (the
+    other axes then select once per score, from window bits where they fit); off
     where holding it costs more than it saves (the 1-warp boxes of short windows)."""
     q_tile: Triple
     kv_tile: Triple

@@ -85,7 +85,7 @@ def na3d_forward(
         STORE_LSE=need_lse,
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
-        **fixed_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask),
+        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **configs.maxnreg_option(cfg.maxnreg),
@@ -93,16 +93,33 @@ def na3d_forward(
     return out, lse
 
 
-def fixed_axes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],
+# The kernels' window-mask modes per axis (``kernels/common.py``, MASK_*).
+MASK_PER_STEP, MASK_BITS, MASK_FIXED = 0, 1, 2
+
+
+def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],
                is_causal: Sequence[bool], stride: Sequence[int], enabled: bool = True) -> dict:
-    """``FIXED_T/H/W`` for a kernel whose programs own ``box`` and scan ``scanned_box``:
-    True along an axis where every program's union of windows fits one scanned box,
-    whatever the grid (``geometry.union_width_bound``), so the kernel computes that
-    axis' part of the mask once instead of on every step. Independent of T, H, W: a
-    new grid size never compiles a new kernel variant. All False unless ``enabled``
-    (the config's ``fixed_mask``)."""
-    return {f"FIXED_{axis}": enabled and geometry.union_width_bound(b, k, bool(c), s) <= n
-            for axis, b, n, k, c, s in zip("THW", box, scanned_box, kernel_size, is_causal, stride)}
+    """``MASK_T/H/W`` for a kernel whose programs own ``box`` and scan ``scanned_box``.
+
+    ``MASK_FIXED`` along an axis where every program's union of windows fits one
+    scanned box, whatever the grid (``geometry.union_width_bound``): the kernel
+    computes that part of the mask once and the QK^T product adds it. If some axis
+    is fixed, the others take ``MASK_BITS`` where the union fits the 31 bits of a
+    per-query window mask, else ``MASK_PER_STEP``. With no fixed axis, or not
+    ``enabled`` (the config's ``fixed_mask``), every axis is ``MASK_PER_STEP`` and the
+    kernel masks the scores as before (the configurations measured that way). The
+    choice depends on the boxes, kernel, causality and stride only, never on T, H,
+    W: a new grid size compiles no new kernel variant.
+    """
+    bounds = [geometry.union_width_bound(b, k, bool(c), s)
+              for b, k, c, s in zip(box, kernel_size, is_causal, stride)]
+    fixed = [bound <= n for bound, n in zip(bounds, scanned_box)]
+    if not enabled or not any(fixed):
+        modes = [MASK_PER_STEP] * 3
+    else:
+        modes = [MASK_FIXED if f else MASK_BITS if bound <= 31 else MASK_PER_STEP
+                 for f, bound in zip(fixed, bounds)]
+    return {f"MASK_{axis}": mode for axis, mode in zip("THW", modes)}
 
 
 def tma_layout_ok(*tensors: torch.Tensor) -> bool:
@@ -208,8 +225,8 @@ def na3d_backward(
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
         HAS_DLSE=grad_lse is not None, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        # A masked score must scale to -inf: fixed mask parts only for a positive scale.
-        **fixed_axes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0),
+        # A masked score must scale to -inf: the mask on the product only for a positive scale.
+        **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0),
         **configs.maxnreg_option(cfg.dq_maxnreg), **common)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]

@@ -30,8 +30,8 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, fixed_mask_bias, load_rows, moving_mask_bias, next_box,
-                     queries_seeing, seen_by, sees, union_of_windows, window_bounds)
+from .common import (box_of_program, box_offsets, fixed_mask_bias, load_rows, next_box, queries_seeing,
+                     seen_by, sees, step_mask_bias, union_of_windows, window_bits, window_bounds)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -65,15 +65,15 @@ def na3d_bwd_dq_kernel(
     STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     USE_TMA: tl.constexpr,
-    FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
     It also writes ``STATS`` (see the module docstring) for the dK/dV kernel that
     runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
-    the forward kernel. ``FIXED_T/H/W``: as in the forward kernel (the mask of
-    those axes computed once and added by the QK^T product; the launcher sets them
-    only for a positive scale, so a masked score scales to -inf).
+    the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
+    picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
+    score scales to -inf).
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
@@ -114,13 +114,16 @@ def na3d_bwd_dq_kernel(
     v_base = V + bh * stride_vb + hd * stride_vn
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
-    HOISTED: tl.constexpr = FIXED_T or FIXED_H or FIXED_W
-    if HOISTED:
+    ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0
+    if ON_PRODUCT:
         st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
         sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
         sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
         fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
-                                     FIXED_T, FIXED_H, FIXED_W, BLOCK_Q, BLOCK_KV)
+                                     MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV)
+        bits_t = window_bits(st, et, ut0, MASK_T)
+        bits_h = window_bits(sh, eh, uh0, MASK_H)
+        bits_w = window_bits(sw, ew, uw0, MASK_W)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
@@ -141,10 +144,11 @@ def na3d_bwd_dq_kernel(
             pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
             k = load_rows(k_base, pt, ph, pw, stride_kt, stride_kh, stride_kw, d, d_ok)
             v = load_rows(v_base, pt, ph, pw, stride_vt, stride_vh, stride_vw, d, d_ok)
-        if HOISTED:
-            s = tl.dot(q, tl.trans(k), moving_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
-                                                        FIXED_T, FIXED_H, FIXED_W),
-                       input_precision="ieee")
+        if ON_PRODUCT:
+            bias = step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
+                                  bits_t >> (i_t * KV_T), bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W),
+                                  off_t, off_h, off_w, MASK_T, MASK_H, MASK_W)
+            s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         else:
             visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,

@@ -121,6 +121,13 @@ def next_box(i_t, i_h, i_w, steps_h, steps_w):
     return i_t, i_h, i_w
 
 
+# How a kernel masks the window along one axis (``MASK_T/H/W``; the launcher picks,
+# see ``launch.mask_modes``):
+MASK_PER_STEP = tl.constexpr(0)  # compare positions on every step (the plain mask)
+MASK_BITS = tl.constexpr(1)      # on every step, from per-query window bits shifted to the step
+MASK_FIXED = tl.constexpr(2)     # once per program: the scan never moves along this axis
+
+
 @triton.jit
 def in_window(key, start, stop):
     """Boolean [queries, keys]: key position ``key[j]`` lies in ``[start[i], stop[i])``."""
@@ -128,36 +135,57 @@ def in_window(key, start, stop):
 
 
 @triton.jit
+def window_bits(start, stop, origin, MODE: tl.constexpr):
+    """Per query, its window ``[start, stop)`` as int32 bits from ``origin`` (bit j:
+    position ``origin + j``; needs ``origin <= start`` and ``stop - origin <= 31``),
+    for a ``MASK_BITS`` axis; zeros (unused) otherwise."""
+    if MODE == MASK_BITS:
+        return ((1 << (stop - origin)) - 1) & ~((1 << (start - origin)) - 1)
+    return tl.zeros_like(start)
+
+
+@triton.jit
 def fixed_mask_bias(kt, kh, kw, st, et, sh, eh, sw, ew,
-                    FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
+                    MODE_T: tl.constexpr, MODE_H: tl.constexpr, MODE_W: tl.constexpr,
                     ROWS: tl.constexpr, COLS: tl.constexpr, MASKED: tl.constexpr = float("-inf")):
-    """The window mask along the fixed axes only, as a [queries, keys] float32 matrix
-    of 0 (visible) and ``MASKED``: keys ``(kt, kh, kw)`` of the one box scanned along
-    those axes, query windows ``[s, e)`` per axis."""
+    """The window mask along the ``MASK_FIXED`` axes only, as a [queries, keys] float32
+    matrix of 0 (visible) and ``MASKED``: keys ``(kt, kh, kw)`` of the one box scanned
+    along those axes, query windows ``[s, e)`` per axis."""
     ok = tl.full([ROWS, COLS], 1, tl.int1)
-    if FIXED_T:
+    if MODE_T == MASK_FIXED:
         ok &= in_window(kt, st, et)
-    if FIXED_H:
+    if MODE_H == MASK_FIXED:
         ok &= in_window(kh, sh, eh)
-    if FIXED_W:
+    if MODE_W == MASK_FIXED:
         ok &= in_window(kw, sw, ew)
     return tl.where(ok, 0.0, MASKED)
 
 
 @triton.jit
-def moving_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
-                     FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
-                     MASKED: tl.constexpr = float("-inf")):
+def step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, off_t, off_h, off_w,
+                   MODE_T: tl.constexpr, MODE_H: tl.constexpr, MODE_W: tl.constexpr,
+                   MASKED: tl.constexpr = float("-inf")):
     """``fixed_bias`` with this step's keys ``(kt, kh, kw)`` also masked along the axes
-    that move (one select per score; none when every axis is fixed)."""
-    if FIXED_T and FIXED_H and FIXED_W:
+    that move: one select per score (none when every axis is fixed). ``bt/bh/bw``:
+    on ``MASK_BITS`` axes, each query's window bits shifted to this step's first key
+    (``off_*``: the keys' offsets in the scanned box); per-step compares elsewhere."""
+    if MODE_T == MASK_FIXED and MODE_H == MASK_FIXED and MODE_W == MASK_FIXED:
         return fixed_bias
     ok = tl.full(fixed_bias.shape, 1, tl.int1)
-    if not FIXED_T:
+    if MODE_T == MASK_BITS or MODE_H == MASK_BITS or MODE_W == MASK_BITS:
+        bits = tl.full(fixed_bias.shape, 1, tl.int32)
+        if MODE_T == MASK_BITS:
+            bits &= bt[:, None] >> off_t[None, :]
+        if MODE_H == MASK_BITS:
+            bits &= bh[:, None] >> off_h[None, :]
+        if MODE_W == MASK_BITS:
+            bits &= bw[:, None] >> off_w[None, :]
+        ok &= bits != 0
+    if MODE_T == MASK_PER_STEP:
         ok &= in_window(kt, st, et)
-    if not FIXED_H:
+    if MODE_H == MASK_PER_STEP:
         ok &= in_window(kh, sh, eh)
-    if not FIXED_W:
+    if MODE_W == MASK_PER_STEP:
         ok &= in_window(kw, sw, ew)
     return tl.where(ok, fixed_bias, MASKED)
 

@@ -7,8 +7,8 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, fixed_mask_bias, moving_mask_bias, next_box, sees,
-                     union_of_windows, window_bounds)
+from .common import (box_of_program, box_offsets, fixed_mask_bias, next_box, sees, step_mask_bias,
+                     union_of_windows, window_bits, window_bounds)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
@@ -32,7 +32,7 @@ def na3d_fwd_kernel(
     STORE_LSE: tl.constexpr,
     SCALE_SIGN: tl.constexpr,
     USE_TMA: tl.constexpr,
-    FIXED_T: tl.constexpr, FIXED_H: tl.constexpr, FIXED_W: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
     of one (batch, head), against the union of their windows, scanned in
@@ -49,12 +49,16 @@ def na3d_fwd_kernel(
     running past the union reads the neighbouring keys (zeros past the tensor's
     end), which the mask drops. Without it the descriptors are never read.
 
-    ``FIXED_T/H/W``: the launcher guarantees that along this axis every program's
-    union fits one key box (``geometry.union_width_bound``), so the scan never
-    moves along it and that part of the window mask is the same on every step. It
-    is then computed once, as an additive 0 / -inf matrix, and handed to the QK^T
-    product as its accumulator: the tensor cores add it, and each step only
-    selects on the axes that do move (one select per score instead of two).
+    ``MASK_T/H/W`` (``kernels.common``): how each axis' part of the window mask is
+    applied. ``MASK_FIXED``: the launcher guarantees that along this axis every
+    program's union fits one key box (``geometry.union_width_bound``), so the scan
+    never moves there and that part is the same on every step; it is computed once,
+    as an additive 0 / -inf matrix, and handed to the QK^T product as its
+    accumulator, so the tensor cores add it. Each step then selects only on the
+    axes that move (one select per score instead of two), written straight into the
+    accumulator: ``MASK_BITS`` axes by testing per-query window bits shifted to the
+    step, ``MASK_PER_STEP`` ones by comparing positions. With no ``MASK_FIXED`` axis
+    (or a zero scale) the kernel masks the scores after the product instead.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
@@ -93,10 +97,13 @@ def na3d_fwd_kernel(
     sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
     sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
     # (A zero scale has no scores to add the bias to: it keeps the plain mask.)
-    HOISTED: tl.constexpr = (FIXED_T or FIXED_H or FIXED_W) and SCALE_SIGN != 0
-    if HOISTED:
+    ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0
+    if ON_PRODUCT:
         fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
-                                     FIXED_T, FIXED_H, FIXED_W, BLOCK_Q, BLOCK_KV, MASKED)
+                                     MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV, MASKED)
+        bits_t = window_bits(st, et, ut0, MASK_T)
+        bits_h = window_bits(sh, eh, uh0, MASK_H)
+        bits_w = window_bits(sw, ew, uw0, MASK_W)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
@@ -116,10 +123,11 @@ def na3d_fwd_kernel(
                     + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_kh
                     + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_kw)
             k = tl.load(k_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        if HOISTED:
-            s = tl.dot(q, tl.trans(k), moving_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
-                                                        FIXED_T, FIXED_H, FIXED_W, MASKED),
-                       input_precision="ieee")
+        if ON_PRODUCT:
+            bias = step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
+                                  bits_t >> (i_t * KV_T), bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W),
+                                  off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
+            s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
             visible = None
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -129,11 +137,11 @@ def na3d_fwd_kernel(
         # sign picks max or min), so that scaling and subtracting it fuse into one
         # FMA per score.
         if SCALE_SIGN > 0:
-            if not HOISTED:
+            if not ON_PRODUCT:
                 s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         elif SCALE_SIGN < 0:
-            if not HOISTED:
+            if not ON_PRODUCT:
                 s = tl.where(visible, s, float("inf"))
             m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
         else:
