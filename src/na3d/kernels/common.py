@@ -135,6 +135,20 @@ def in_window(key, start, stop):
 
 
 @triton.jit
+def axes_in_window(ok, kt, kh, kw, st, et, sh, eh, sw, ew,
+                   MODE_T: tl.constexpr, MODE_H: tl.constexpr, MODE_W: tl.constexpr, WHICH: tl.constexpr):
+    """``ok`` and, along each axis whose mode is ``WHICH``, the position compares:
+    keys ``(kt, kh, kw)`` against the query windows ``[s, e)``."""
+    if MODE_T == WHICH:
+        ok &= in_window(kt, st, et)
+    if MODE_H == WHICH:
+        ok &= in_window(kh, sh, eh)
+    if MODE_W == WHICH:
+        ok &= in_window(kw, sw, ew)
+    return ok
+
+
+@triton.jit
 def window_bits(start, stop, origin, MODE: tl.constexpr):
     """Per query, its window ``[start, stop)`` as int32 bits from ``origin`` (bit j:
     position ``origin + j``; needs ``origin <= start`` and ``stop - origin <= 31``),
@@ -151,13 +165,8 @@ def fixed_mask_bias(kt, kh, kw, st, et, sh, eh, sw, ew,
     """The window mask along the ``MASK_FIXED`` axes only, as a [queries, keys] float32
     matrix of 0 (visible) and ``MASKED``: keys ``(kt, kh, kw)`` of the one box scanned
     along those axes, query windows ``[s, e)`` per axis."""
-    ok = tl.full([ROWS, COLS], 1, tl.int1)
-    if MODE_T == MASK_FIXED:
-        ok &= in_window(kt, st, et)
-    if MODE_H == MASK_FIXED:
-        ok &= in_window(kh, sh, eh)
-    if MODE_W == MASK_FIXED:
-        ok &= in_window(kw, sw, ew)
+    ok = axes_in_window(tl.full([ROWS, COLS], 1, tl.int1), kt, kh, kw, st, et, sh, eh, sw, ew,
+                        MODE_T, MODE_H, MODE_W, MASK_FIXED)
     return tl.where(ok, 0.0, MASKED)
 
 
@@ -181,12 +190,7 @@ def step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, o
         if MODE_W == MASK_BITS:
             bits &= bw[:, None] >> off_w[None, :]
         ok &= bits != 0
-    if MODE_T == MASK_PER_STEP:
-        ok &= in_window(kt, st, et)
-    if MODE_H == MASK_PER_STEP:
-        ok &= in_window(kh, sh, eh)
-    if MODE_W == MASK_PER_STEP:
-        ok &= in_window(kw, sw, ew)
+    ok = axes_in_window(ok, kt, kh, kw, st, et, sh, eh, sw, ew, MODE_T, MODE_H, MODE_W, MASK_PER_STEP)
     return tl.where(ok, fixed_bias, MASKED)
 
 
