@@ -307,13 +307,13 @@ DQ_MASK_CASES = [
 
 @pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(DQ_MASK_CASES))] + [(0, -0.7), (1, 0.0)])
 def test_backward_dq_mask_fixed_along_some_axes(case, scale):
-    # Odd grid sizes, B > 1, a gradient into lse; fp16 cases load boxes through
-    # descriptors. A scale <= 0 keeps the plain mask (a masked score times it would
-    # not be -inf): same results either way.
+    # Odd grid sizes, B > 1 (case 0), a gradient into lse; fp16 cases load boxes
+    # through descriptors. A scale <= 0 keeps the plain mask (a masked score times
+    # it would not be -inf): same results either way.
     q_tile, kv_tile, kernel, causal, stride, expected = DQ_MASK_CASES[case]
     modes = launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)
     assert "".join("PBF"[modes[f"MASK_{axis}"]] for axis in "THW") == expected
-    shape = (2, 5, 7, 9, 1, 16)
+    shape = (2 if case == 0 else 1, 5, 7, 9, 1, 16)
     dtype = torch.float16 if case % 2 else torch.float32
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=41 + case)
     gen = torch.Generator().manual_seed(42 + case)
