@@ -27,7 +27,7 @@ from na3d.kernels.forward import na3d_fwd_kernel
 from na3d.kernels.backward import na3d_bwd_dq_kernel, na3d_bwd_dkdv_kernel
 # Flags a revision's kernels do not have are left out (older code had none).
 flags = {f: False for f in ("CAUSAL_T", "CAUSAL_H", "CAUSAL_W", "STRIDED") if f in na3d_fwd_kernel.arg_names}
-fixed = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kernel.arg_names}
+plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kernel.arg_names}
 tgt = GPUTarget("cuda", 90, 32)
 res = {}
 for entry in t.configs_for("sm90"):
@@ -36,12 +36,12 @@ for entry in t.configs_for("sm90"):
     tiles = dict(Q_T=qt[0], Q_H=qt[1], Q_W=qt[2], KV_T=kt[0], KV_H=kt[1], KV_W=kt[2])
     dual = dict(K_T=qt[0], K_H=qt[1], K_W=qt[2], Q_T=kt[0], Q_H=kt[1], Q_W=kt[2])
     extra = {f: v for f, v in (("SCALE_SIGN", 1), ("USE_TMA", False)) if f in na3d_fwd_kernel.arg_names}
-    res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra, **fixed), w,
-                                         st).asm["ptx"]
+    res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra,
+                                                                    **plain_mask), w, st).asm["ptx"]
     tma = {"USE_TMA": False} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
-    dq_fixed = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_bwd_dq_kernel.arg_names}
+    dq_plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_bwd_dq_kernel.arg_names}
     res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma,
-                                                                      **dq_fixed), w, max(1, st - 1)).asm["ptx"]
+                                                                      **dq_plain_mask), w, max(1, st - 1)).asm["ptx"]
     if "ACCUMULATE_DQ" in na3d_bwd_dkdv_kernel.arg_names:
         dual["ACCUMULATE_DQ"] = False
     dual.update(tma)

@@ -155,7 +155,9 @@ def compile_all(arch):
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
-            modes = dict(zip(("MASK_T", "MASK_H", "MASK_W"), MASK_CYCLE[(i + use_tma) % len(MASK_CYCLE)]))
+            # As the forward: the plain mask and the cycle of modes, alternately.
+            modes = (0, 0, 0) if (i + use_tma) % 2 == 1 else MASK_CYCLE[i % len(MASK_CYCLE)]
+            modes = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes))
             dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles,
                                                                    **modes),
                                   dq_warps, dq_stages, dq_cap), "dQ")

@@ -93,12 +93,12 @@ def na3d_fwd_kernel(
     # Scores the mask drops: -inf, or +inf when the scale is negative (the row
     # "maximum" is then taken as a minimum of the raw scores, see below).
     MASKED: tl.constexpr = float("inf") if SCALE_SIGN < 0 else float("-inf")
-    st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
-    sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
-    sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
     # (A zero scale has no scores to add the bias to: it keeps the plain mask.)
     ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0
     if ON_PRODUCT:
+        st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
+        sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
+        sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
         fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
                                      MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV, MASKED)
         bits_t = window_bits(st, et, ut0, MASK_T)
@@ -128,7 +128,6 @@ def na3d_fwd_kernel(
                                   bits_t >> (i_t * KV_T), bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W),
                                   off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
-            visible = None
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
