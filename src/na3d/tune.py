@@ -4,6 +4,7 @@
     python -m na3d.tune --write               # ... and rewrite configs/<arch>.json
     python -m na3d.tune --backward --write    # also the backward kernels' tiles
     python -m na3d.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
+    python -m na3d.tune --buckets medium_window --backward --graph-timing   # GPU time only
 
 Candidates per shape are the tile pairs that issue the fewest QK^T products
 (``geometry.issued_flops_ratio``), each with a few warp/stage settings. Every
@@ -354,6 +355,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="per bucket and pass (forward, backward): stop trying new candidates after this "
                              "many seconds and keep the best so far")
+    parser.add_argument("--graph-timing", action="store_true",
+                        help="time candidates as CUDA-graph replays, GPU time only (bench.Timer): for "
+                             "latency-bound shapes whose host overhead per call exceeds their kernels")
     parser.add_argument("--write", action="store_true", help="rewrite the arch's JSON table")
     parser.add_argument("--log", default=None, help="also write every measurement to this JSON file")
     args = parser.parse_args(argv)
@@ -384,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             log(f"wrote {path}")
         return text
 
-    timer = Timer(device)
+    timer = Timer(device, graphs=args.graph_timing)
     results: Dict[str, Dict[str, float]] = {}
     for i, entry in enumerate(buckets):
         members = [s for s in specs if bucket_of(s) == i]
