@@ -187,6 +187,11 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
     return times
 
 
+def timing_method(timer: Timer) -> str:
+    """How the table's ``measured`` times were taken (``--graph-timing`` or not)."""
+    return "GPU time, CUDA-graph replay" if timer.graphs else "eager, L2 flushed"
+
+
 def config_key(cfg: configs.ForwardConfig) -> str:
     return json.dumps([list(cfg.q_tile), list(cfg.kv_tile), cfg.num_warps, cfg.num_stages, cfg.tma, cfg.maxnreg,
                        cfg.fixed_mask])
@@ -253,7 +258,8 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
         entry.pop("fixed_mask", None)
     else:
         entry["fixed_mask"] = False
-    entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4)} for m in names}
+    entry["measured"] = {m: {"ms": round(results[m][choice], 4), "best_ms": round(best[m], 4),
+                             "timing": timing_method(timer)} for m in names}
     log(f"bucket {entry['bucket']} forward: {choice} (geomean slowdown {slow:.3f})")
     return results
 
@@ -329,7 +335,8 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     before = backward_key(as_config(dq_now, dkdv_now))
     entry["backward"] = dict(picked, measured={
         m: {"ms": round(step2[m][choice], 4), "best_ms": round(best[m], 4),
-            "before_ms": round(step1[m].get(before, float("nan")), 4)} for m in names})
+            "before_ms": round(step1[m].get(before, float("nan")), 4), "timing": timing_method(timer)}
+        for m in names})
     log(f"bucket {entry['bucket']} backward: {choice} (geomean slowdown {slow:.3f})")
     for m in names:
         results[m + "/dq"] = step1[m]
