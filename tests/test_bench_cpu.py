@@ -33,3 +33,11 @@ def test_plot_draws_shape_rows(tmp_path):
     path = tmp_path / "h200.png"
     bench.plot(rows, str(path), "one row")
     assert path.stat().st_size > 0
+
+
+def test_tuner_records_its_timing_method():
+    from na3d.tune import timing_method
+
+    cpu = torch.device("cpu")
+    assert timing_method(bench.Timer(cpu, flush_bytes=16)) == "eager, L2 flushed"
+    assert timing_method(bench.Timer(cpu, flush_bytes=16, graphs=True)) == "GPU time, CUDA-graph replay"
