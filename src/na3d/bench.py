@@ -110,9 +110,7 @@ class Timer:
             fn()
         with torch.cuda.graph(flush_only):
             self.flush.zero_()
-        ms = self._median_ms(with_fn.replay, runs) - self._median_ms(flush_only.replay, runs)
-        del with_fn, flush_only
-        return ms
+        return self._median_ms(with_fn.replay, runs) - self._median_ms(flush_only.replay, runs)
 
 
 def measure_ceilings(timer: Timer, device) -> Dict[str, float]:
