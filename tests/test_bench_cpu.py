@@ -35,6 +35,16 @@ def test_plot_draws_shape_rows(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_table_shows_gpu_time_where_measured(capsys):
+    rows = [{"name": "a", "pass": "fwd", "ms": {"na3d": 0.5}, "x_floor": {"na3d": 2.0}, "floor_ms": 0.25,
+             "gpu_ms": {"na3d": 0.125}},
+            {"name": "b", "pass": "bwd", "ms": {"na3d": 1.5}, "x_floor": {"na3d": 3.0}, "floor_ms": 0.5}]
+    bench.print_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert "gpu ms" in lines[0]
+    assert "0.1250" in lines[1] and "nan" in lines[2]
+
+
 def test_tuner_records_its_timing_method():
     from na3d.tune import timing_method
 

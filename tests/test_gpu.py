@@ -168,3 +168,19 @@ def test_graph_timer_replays_the_call():
     assert ms == ms and abs(ms) < 1e3
     # 2 eager warm-ups, 1 on the capture's side stream, >= 10 replays (capture itself runs nothing).
     assert counter.item() >= 13
+
+
+def test_bench_rows_record_gpu_time():
+    """Both row builders add na3d's graph-replayed GPU time beside its eager time
+    (values are not asserted: timings are not tested)."""
+    from na3d import bench
+
+    device = torch.device("cuda")
+    spec = {"name": "small", "shape": [1, 4, 6, 10, 2, 64], "kernel_size": [3, 3, 5]}
+    ceilings = {"copy_tbs": 4.0, "dense_attn_tflops": 300.0}
+    timer, gpu_timer = bench.Timer(device, flush_bytes=1 << 20), bench.Timer(device, flush_bytes=1 << 20, graphs=True)
+    for build in (bench.forward_row, bench.backward_row):
+        row = build(spec, timer, ceilings, device, ["na3d"], gpu_timer=gpu_timer)
+        ms = row["gpu_ms"]["na3d"]
+        assert set(row["gpu_ms"]) == {"na3d"} and ms == ms and abs(ms) < 1e3
+        assert row["gpu_x_floor"]["na3d"] == pytest.approx(ms / row["floor_ms"], rel=1e-2, abs=1e-2)

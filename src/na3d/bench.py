@@ -10,6 +10,12 @@ bandwidth; dense SDPA flash-attention rate), then per shape times every method
 (median of many runs, L2 flushed before each), checks na3d's error against a float32
 oracle, prints a table and writes ``benchmarks/results/<device>.json`` and a plot.
 Without a GPU it says so and runs a small CPU demonstration instead.
+
+``ms`` is the time of an eager call (CUDA events around it): what a caller sees,
+host work included. For na3d each row also records ``gpu_ms``, its GPU time alone
+(the call replayed as a CUDA graph, ``Timer(graphs=True)``): on calls of tens of
+microseconds the host's launch work exceeds the kernels' and ``ms`` measures the
+host; ``gpu_ms`` is what CUDA graphs and ``torch.compile``'s graph mode get.
 """
 
 from __future__ import annotations
@@ -151,8 +157,9 @@ def device_slug(name: str) -> str:
 
 
 def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
-                dtype=torch.bfloat16) -> dict:
-    """Time every method on one shape; error of na3d against a float32 oracle."""
+                dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None) -> dict:
+    """Time every method on one shape; error of na3d against a float32 oracle. With
+    ``gpu_timer`` (a ``Timer(graphs=True)``), na3d's GPU time too (``gpu_ms``)."""
     name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
     B, T, H, W, NH, HD = shape
     scale = HD ** -0.5
@@ -208,6 +215,9 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
         row["ms"][method] = round(timer(runners[method], min_runs=5 if slow else 20,
                                         target_ms=1000 if slow else 300), 5)
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    if gpu_timer is not None and "na3d" in row["ms"]:
+        log(f"  {name}: GPU time of na3d (graph replay)")
+        record_gpu_time(row, gpu_timer, runners["na3d"], floor_ms)
     if "na3d" in row["ms"]:
         t = row["ms"]["na3d"] * 1e-3
         row["na3d_tflops"] = round(flops / t / 1e12, 1)
@@ -216,8 +226,15 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     return row
 
 
+def record_gpu_time(row: dict, gpu_timer: Timer, fn: Callable, floor_ms: float) -> None:
+    """``row["gpu_ms"]``/``row["gpu_x_floor"]`` for na3d: ``fn`` timed by graph replay."""
+    ms = gpu_timer(fn, min_runs=20, target_ms=300)
+    row["gpu_ms"] = {"na3d": round(ms, 5)}
+    row["gpu_x_floor"] = {"na3d": round(ms / floor_ms, 3)}
+
+
 def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
-                 dtype=torch.bfloat16) -> dict:
+                 dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None) -> dict:
     """Time dq, dk, dv from a given dO (forward excluded) for every method on one shape.
 
     na3d and FlexAttention are timed the same way: ``torch.autograd.grad`` of their
@@ -225,6 +242,7 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     through the launcher, when the table's config is the two-kernel one.
     Floor: the backward does 2.5x the forward's matrix work (five products instead of
     two) and moves 8 tensors (q, k, v, o, dO in; dq, dk, dv out) instead of 4.
+    ``gpu_timer``: as in :func:`forward_row` (the same ``autograd.grad`` call, replayed).
     """
     name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
     B, T, H, W, NH, HD = shape
@@ -307,19 +325,23 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
             log(f"  {name}: {method} backward failed: {row['errors'][method]}")
         torch.cuda.empty_cache()
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    if gpu_timer is not None and "na3d" in row["ms"]:
+        log(f"  {name}: GPU time of na3d's backward (graph replay)")
+        record_gpu_time(row, gpu_timer, runners["na3d"](), floor_ms)
+        torch.cuda.empty_cache()
     return row
 
 
 def print_table(rows: List[dict]) -> None:
-    head = f"{'shape':<18}{'pass':>5}{'na3d ms':>10}{'x_floor':>9}{'TFLOP/s':>9}{'TB/s':>7}{'sdpa ms':>10}{'flex ms':>10}" \
-           f"{'floor ms':>10}{'issued':>8}{'max err':>10}"
+    head = f"{'shape':<18}{'pass':>5}{'na3d ms':>10}{'x_floor':>9}{'gpu ms':>9}{'TFLOP/s':>9}{'TB/s':>7}" \
+           f"{'sdpa ms':>10}{'flex ms':>10}{'floor ms':>10}{'issued':>8}{'max err':>10}"
     log(head)
     for r in rows:
         ms = r["ms"]
         err = r.get("max_abs_err", float("nan"))
         err = max(err.values()) if isinstance(err, dict) else err
         log(f"{r['name']:<18}{r['pass']:>5}{ms.get('na3d', float('nan')):>10.4f}{r['x_floor'].get('na3d', float('nan')):>9.2f}"
-            f"{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
+            f"{r.get('gpu_ms', {}).get('na3d', float('nan')):>9.4f}{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
             f"{ms.get('sdpa_exact', float('nan')):>10.3f}{ms.get('flex', float('nan')):>10.3f}"
             f"{r['floor_ms']:>10.4f}{r.get('flops_issued_ratio', float('nan')):>8.2f}{err:>10.2e}")
 
@@ -411,7 +433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error(f"--merge {args.merge}: its rows are from commit {earlier.get('commit')}, this run is {commit}")
         kept = earlier["rows"]
     methods = ["na3d"] + ([] if args.no_reference else ["sdpa_exact"]) + ([] if args.no_flex else ["flex"])
-    timer = Timer(device)
+    timer, gpu_timer = Timer(device), Timer(device, graphs=True)
     log(f"device: {name}; torch {torch.__version__}; measuring ceilings")
     ceilings = measure_ceilings(timer, device)
     log(f"ceilings: copy {ceilings['copy_tbs']} TB/s, dense SDPA flash {ceilings['dense_attn_tflops']} TFLOP/s")
@@ -439,10 +461,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for i, spec in enumerate(specs):
         log(f"[{i + 1}/{len(specs)}] {spec['name']} {spec['shape']} kernel {spec['kernel_size']}")
         if not args.no_forward:
-            rows.append(forward_row(spec, timer, ceilings, device, methods))
+            rows.append(forward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
             torch.cuda.empty_cache()
         if args.backward:
-            rows.append(backward_row(spec, timer, ceilings, device, methods))
+            rows.append(backward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
             torch.cuda.empty_cache()
         write(rows, complete=False)
     if args.decoder:
