@@ -217,7 +217,7 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d (graph replay)")
-        record_gpu_time(row, gpu_timer, runners["na3d"], floor_ms)
+        record_gpu_time(row, gpu_timer(runners["na3d"], min_runs=20, target_ms=300), floor_ms)
     if "na3d" in row["ms"]:
         t = row["ms"]["na3d"] * 1e-3
         row["na3d_tflops"] = round(flops / t / 1e12, 1)
@@ -226,9 +226,8 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     return row
 
 
-def record_gpu_time(row: dict, gpu_timer: Timer, fn: Callable, floor_ms: float) -> None:
-    """``row["gpu_ms"]``/``row["gpu_x_floor"]`` for na3d: ``fn`` timed by graph replay."""
-    ms = gpu_timer(fn, min_runs=20, target_ms=300)
+def record_gpu_time(row: dict, ms: float, floor_ms: float) -> None:
+    """``row["gpu_ms"]``/``row["gpu_x_floor"]`` for na3d."""
     row["gpu_ms"] = {"na3d": round(ms, 5)}
     row["gpu_x_floor"] = {"na3d": round(ms / floor_ms, 3)}
 
@@ -242,7 +241,9 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     through the launcher, when the table's config is the two-kernel one.
     Floor: the backward does 2.5x the forward's matrix work (five products instead of
     two) and moves 8 tensors (q, k, v, o, dO in; dq, dk, dv out) instead of 4.
-    ``gpu_timer``: as in :func:`forward_row` (the same ``autograd.grad`` call, replayed).
+    ``gpu_timer``: as in :func:`forward_row`. A backward replays in a CUDA graph only
+    with the forward that recorded its autograd graph captured beside it, so its GPU
+    time is that of forward + ``autograd.grad`` minus that of the forward alone.
     """
     name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
     B, T, H, W, NH, HD = shape
@@ -326,8 +327,16 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         torch.cuda.empty_cache()
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
     if gpu_timer is not None and "na3d" in row["ms"]:
-        log(f"  {name}: GPU time of na3d's backward (graph replay)")
-        record_gpu_time(row, gpu_timer, runners["na3d"](), floor_ms)
+        log(f"  {name}: GPU time of na3d's backward (graph replay, minus the forward's)")
+
+        def forward():
+            return na3d(*leaves, ks, scale=scale)
+
+        def forward_backward():
+            return torch.autograd.grad(forward(), leaves, do)
+
+        both = gpu_timer(forward_backward, min_runs=20, target_ms=300)
+        record_gpu_time(row, both - gpu_timer(forward, min_runs=20, target_ms=300), floor_ms)
         torch.cuda.empty_cache()
     return row
 
