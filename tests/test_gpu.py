@@ -7,6 +7,8 @@ oracle.
 """
 
 
+import math
+
 import pytest
 import torch
 
@@ -182,5 +184,5 @@ def test_bench_rows_record_gpu_time():
     for build in (bench.forward_row, bench.backward_row):
         row = build(spec, timer, ceilings, device, ["na3d"], gpu_timer=gpu_timer)
         ms = row["gpu_ms"]["na3d"]
-        assert set(row["gpu_ms"]) == {"na3d"} and ms == ms and abs(ms) < 1e3
-        assert row["gpu_x_floor"]["na3d"] == row["gpu_x_floor"]["na3d"]
+        assert set(row["gpu_ms"]) == {"na3d"} and math.isfinite(ms) and abs(ms) < 1e3
+        assert math.isfinite(row["gpu_x_floor"]["na3d"])

@@ -349,8 +349,9 @@ def print_table(rows: List[dict]) -> None:
         ms = r["ms"]
         err = r.get("max_abs_err", float("nan"))
         err = max(err.values()) if isinstance(err, dict) else err
+        gpu_ms = r.get("gpu_ms", {}).get("na3d", float("nan"))
         log(f"{r['name']:<18}{r['pass']:>5}{ms.get('na3d', float('nan')):>10.4f}{r['x_floor'].get('na3d', float('nan')):>9.2f}"
-            f"{r.get('gpu_ms', {}).get('na3d', float('nan')):>9.4f}{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
+            f"{gpu_ms:>9.4f}{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
             f"{ms.get('sdpa_exact', float('nan')):>10.3f}{ms.get('flex', float('nan')):>10.3f}"
             f"{r['floor_ms']:>10.4f}{r.get('flops_issued_ratio', float('nan')):>8.2f}{err:>10.2e}")
 
