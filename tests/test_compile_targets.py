@@ -86,13 +86,19 @@ def configs_for(arch):
     largest its bucket serves (128, or 256 for the wide-head bucket): shared memory
     grows with the head dim, and every size must fit the target."""
     seen = set()
-    for entry in table_entries(arch):
-        wide = entry.get("when", {}).get("head_dim_min", 0) > 128
-        for head_dim in (256,) if wide else (64, 128):
-            key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"], head_dim)
-            if key not in seen:
-                seen.add(key)
-                yield entry["bucket"], key, entry.get("backward"), entry.get("maxnreg")
+    for bucket in table_entries(arch):
+        wide = bucket.get("when", {}).get("head_dim_min", 0) > 128
+        # A bucket's alternatives (configs._options) are compiled too, with their own
+        # backward entry or the bucket's.
+        options = [(bucket["bucket"], bucket)] + [(f"{bucket['bucket']}/{alt['name']}", alt)
+                                                  for alt in bucket.get("alternatives", ())]
+        for name, entry in options:
+            for head_dim in (256,) if wide else (64, 128):
+                key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"],
+                       head_dim)
+                if key not in seen:
+                    seen.add(key)
+                    yield name, key, entry.get("backward", bucket.get("backward")), entry.get("maxnreg")
 
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.

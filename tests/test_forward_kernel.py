@@ -85,6 +85,7 @@ TILINGS = [
     ((2, 8, 1), (1, 16, 1)),    # query box one wide: all along H
     ((1, 1, 16), (4, 2, 2)),    # key box deeper than the union along T
     ((8, 2, 1), (1, 1, 16)),
+    ((8, 4, 2), (1, 16, 4)),    # the 11x11x11 bucket's deep boxes: deeper than T, key slabs one frame deep
 ]
 
 

@@ -2,7 +2,8 @@
 
 ``configs/<arch>.json`` (``sm90``, ``gfx942``, ...) lists buckets in order; the first
 bucket whose ``when`` conditions hold for a call gives its tile shapes, ``num_warps``
-and ``num_stages``. ``configs/default.json`` serves any architecture without a
+and ``num_stages`` (or one of the bucket's ``alternatives``, where its tiles issue
+fewer products on the call's grid: see ``_options``). ``configs/default.json`` serves any architecture without a
 table of its own. ``python -m na3d.tune`` regenerates a table from measurements.
 
 Tiles are then fitted to the input: a tile dimension at least twice the grid
@@ -20,6 +21,8 @@ from importlib import resources
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+
+from . import geometry
 
 Triple = Tuple[int, int, int]
 
@@ -187,11 +190,38 @@ def forward_config(
     else:
         raise ValueError(f"config table for {arch} has no bucket for head_dim={head_dim}, "
                          f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
-    q_tile = _fit(entry["q_tile"], shape)
-    unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
-    kv_tile = _fit(entry["kv_tile"], unions)
-    return ForwardConfig(q_tile, kv_tile, entry["num_warps"], entry["num_stages"], entry["bucket"],
-                         entry.get("tma", True), entry.get("maxnreg"), bool(entry.get("fixed_mask", True)))
+    best = None
+    for name, option in _options(entry):
+        q_tile = _fit(option["q_tile"], shape)
+        unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
+        kv_tile = _fit(option["kv_tile"], unions)
+        ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile)
+        if best is None or ratio < ALTERNATIVE_MARGIN * best[0]:
+            best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
+                                         option.get("tma", True), option.get("maxnreg"),
+                                         bool(option.get("fixed_mask", True))))
+    return best[1]
+
+
+# An alternative replaces the option before it only if it issues at least 5 % fewer
+# products: closer than that, the count does not rank configurations (their costs
+# per step differ by a few percent), and the measured main option stays.
+ALTERNATIVE_MARGIN = 0.95
+
+
+def _options(entry: Dict):
+    """A bucket's configurations as ``(bucket name, entry)``: the entry itself, then
+    its ``alternatives`` (same keys, plus a ``name``), named ``bucket/name``.
+
+    The forward takes the option whose tiles issue the fewest products on the call's
+    grid (``geometry.issued_flops_ratio`` after fitting, by the margin above): a
+    choice made from the geometry alone, never by timing. Alternatives are box
+    shapes the same kernel runs at about the same cost per step, which waste less
+    only where the grid's borders clip their unions (the 11x11x11 bucket's boxes 8
+    frames deep, on clips of 13-16 frames)."""
+    yield entry["bucket"], entry
+    for alt in entry.get("alternatives", ()):
+        yield f"{entry['bucket']}/{alt['name']}", alt
 
 
 @functools.lru_cache(maxsize=1024)
@@ -211,7 +241,12 @@ def backward_config(
     """
     fwd = forward_config(arch, shape, kernel_size, head_dim, dtype)
     table = load_table(arch)
-    entry = next(e for e in table["forward"] if e["bucket"] == fwd.bucket) if fwd.bucket != "explicit" else {}
+    entry = {}
+    for candidate in table["forward"]:
+        for name, option in _options(candidate):
+            if name == fwd.bucket:
+                # An alternative without a backward entry of its own takes its bucket's.
+                entry = option if "backward" in option else dict(option, backward=candidate.get("backward"))
     bwd = entry.get("backward")
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
