@@ -22,6 +22,8 @@ from importlib import resources
 
 import pytest
 
+from na3d import configs
+
 try:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -88,11 +90,9 @@ def configs_for(arch):
     seen = set()
     for bucket in table_entries(arch):
         wide = bucket.get("when", {}).get("head_dim_min", 0) > 128
-        # A bucket's alternatives (configs._options) are compiled too, with their own
-        # backward entry or the bucket's.
-        options = [(bucket["bucket"], bucket)] + [(f"{bucket['bucket']}/{alt['name']}", alt)
-                                                  for alt in bucket.get("alternatives", ())]
-        for name, entry in options:
+        # A bucket's alternatives are compiled too, with their own backward entry or
+        # the bucket's.
+        for name, entry in configs._options(bucket):
             for head_dim in (256,) if wide else (64, 128):
                 key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"],
                        head_dim)

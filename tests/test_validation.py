@@ -190,11 +190,9 @@ def test_bucket_alternatives_chosen_by_issued_products():
         assert configs.backward_config("sm90", shape, kernel, 64, torch.bfloat16).dq_q_tile == (4, 4, 4)
     for shape in ((13, 40, 40), (16, 80, 32), (22, 96, 64), (30, 48, 48), (79, 192, 192)):
         cfg = configs.forward_config("sm90", shape, kernel, 64, torch.bfloat16)
-        ratios = {name: geometry.issued_flops_ratio(shape, kernel, configs._fit(opt["q_tile"], shape),
-                                                    configs._fit(opt["kv_tile"], [min(L, q + K - 1) for L, q, K in zip(
-                                                        shape, configs._fit(opt["q_tile"], shape), kernel)]))
-                  for name, opt in configs._options(next(e for e in configs.load_table("sm90")["forward"]
-                                                         if e["bucket"] == "large_window"))}
+        bucket = next(e for e in configs.load_table("sm90")["forward"] if e["bucket"] == "large_window")
+        ratios = {name: geometry.issued_flops_ratio(shape, kernel, *configs.fitted_tiles(opt["q_tile"], opt["kv_tile"], shape, kernel))
+                  for name, opt in configs._options(bucket)}
         main = ratios["large_window"]
         want = ("large_window/deep_boxes" if ratios["large_window/deep_boxes"] < configs.ALTERNATIVE_MARGIN * main
                 else "large_window")

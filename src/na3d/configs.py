@@ -3,8 +3,8 @@
 ``configs/<arch>.json`` (``sm90``, ``gfx942``, ...) lists buckets in order; the first
 bucket whose ``when`` conditions hold for a call gives its tile shapes, ``num_warps``
 and ``num_stages`` (or one of the bucket's ``alternatives``, where its tiles issue
-fewer products on the call's grid: see ``_options``). ``configs/default.json`` serves any architecture without a
-table of its own. ``python -m na3d.tune`` regenerates a table from measurements.
+fewer products on the call's grid: see ``_options``). ``configs/default.json``
+serves any architecture without a table of its own. ``python -m na3d.tune`` regenerates a table from measurements.
 
 Tiles are then fitted to the input: a tile dimension at least twice the grid
 dimension it covers would idle half its lanes, so it is halved and the factor moved
@@ -192,15 +192,21 @@ def forward_config(
                          f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
     best = None
     for name, option in _options(entry):
-        q_tile = _fit(option["q_tile"], shape)
-        unions = [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)]
-        kv_tile = _fit(option["kv_tile"], unions)
+        q_tile, kv_tile = fitted_tiles(option["q_tile"], option["kv_tile"], shape, kernel_size)
         ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile)
         if best is None or ratio < ALTERNATIVE_MARGIN * best[0]:
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
                                          option.get("tma", True), option.get("maxnreg"),
                                          bool(option.get("fixed_mask", True))))
     return best[1]
+
+
+def fitted_tiles(q_tile: Sequence[int], kv_tile: Sequence[int], shape: Triple,
+                 kernel_size: Triple) -> Tuple[Triple, Triple]:
+    """A query box and the key box it scans, fitted to ``shape`` (see :func:`_fit`):
+    the key box to the union of the fitted query box's windows."""
+    q_tile = _fit(q_tile, shape)
+    return q_tile, _fit(kv_tile, [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)])
 
 
 # An alternative replaces the option before it only if it issues at least 5 % fewer
@@ -261,8 +267,7 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``.
     """
-    dq_q = _fit(bwd["dq"][0], shape)
-    dq_kv = _fit(bwd["dq"][1], [min(L, q + K - 1) for L, q, K in zip(shape, dq_q, kernel_size)])
+    dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
     k_box = _fit(bwd["dkdv"][0], shape)
     q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
