@@ -305,6 +305,33 @@ DQ_MASK_CASES = [
 ]
 
 
+# dQ boxes spanning an axis no longer than the key box (T = 5 <= 8, W = 9 <= 16):
+# masked once per program there (launch.mask_modes' ``lengths``).
+DQ_SHORT_AXIS_CASES = [
+    ((8, 2, 2), (8, 2, 4), (3, 3, 5), (False, False, False), (1, 1, 1), "FBB"),
+    ((2, 2, 8), (2, 2, 16), (3, 5, 9), (True, False, False), (1, 1, 2), "BBF"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DQ_SHORT_AXIS_CASES)))
+def test_backward_dq_mask_fixed_on_axes_no_longer_than_the_key_box(case):
+    q_tile, kv_tile, kernel, causal, stride, expected = DQ_SHORT_AXIS_CASES[case]
+    shape = (2, 5, 7, 9, 1, 16)
+    modes = launch.mask_modes(q_tile, kv_tile, kernel, causal, stride, True, shape[1:4])
+    assert "".join("PBF"[modes[f"MASK_{axis}"]] for axis in "THW") == expected
+    dtype = torch.float16 if case % 2 else torch.float32
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=71 + case)
+    gen = torch.Generator().manual_seed(72 + case)
+    grad_out = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    grad_lse = torch.randn(shape[:5], generator=gen).to(DEVICE)
+    config = BackwardConfig(q_tile, kv_tile, (2, 2, 4), (1, 2, 8), 4, 2)
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, need_lse=True, is_causal=causal, stride=stride)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grad_lse=grad_lse, grads=grads,
+                         config=config, is_causal=causal, stride=stride)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3, grad_lse, is_causal=causal, stride=stride)
+
+
 @pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(DQ_MASK_CASES))] + [(0, -0.7), (1, 0.0)])
 def test_backward_dq_mask_fixed_along_some_axes(case, scale):
     # Odd grid sizes, B > 1 (case 0), a gradient into lse; fp16 cases load boxes

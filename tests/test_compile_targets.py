@@ -94,6 +94,8 @@ def configs_for(arch):
         # the bucket's.
         for name, entry in configs._options(bucket):
             for head_dim in (256,) if wide else (64, 128):
+                if head_dim > entry.get("when", {}).get("head_dim_max", head_dim):
+                    continue
                 key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"],
                        head_dim)
                 if key not in seen:

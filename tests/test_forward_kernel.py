@@ -86,6 +86,7 @@ TILINGS = [
     ((1, 1, 16), (4, 2, 2)),    # key box deeper than the union along T
     ((8, 2, 1), (1, 1, 16)),
     ((8, 4, 2), (1, 16, 4)),    # the 11x11x11 bucket's deep boxes: deeper than T, key slabs one frame deep
+    ((16, 2, 2), (16, 4, 2)),   # its whole-clip boxes: T = 3 fits the key box, so T is masked once
 ]
 
 
@@ -178,6 +179,31 @@ def test_forward_mask_fixed_along_some_axes(case, scale):
     shape = (2, 5, 7, 9, 2, 16)
     dtype = torch.float16 if case % 2 else torch.float32
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=31 + case)
+    cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=2)
+    out = poisoned_like(q)
+    launch.na3d_forward(q, k, v, kernel, scale, out=out, config=cfg, is_causal=causal, stride=stride)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale, is_causal=causal, stride=stride)
+
+
+# Axes no longer than the key box: masked once per program whatever the union
+# bound (launch.mask_modes' ``lengths``), on a 5x7x9 grid. (q_tile, kv_tile, kernel,
+# causal, stride, modes without the lengths, modes with them).
+SHORT_AXIS_CASES = [
+    ((8, 2, 2), (8, 2, 4), (3, 3, 5), (False, False, False), (1, 1, 1), "PPP", "FBB"),  # boxes deeper than T
+    ((16, 2, 2), (16, 4, 2), (5, 5, 7), (True, False, False), (1, 1, 1), "PPP", "FBB"),  # causal T, K = T
+    ((2, 2, 4), (1, 8, 16), (3, 3, 5), (False, False, False), (1, 2, 1), "BFF", "BFF"),  # already fixed
+    ((2, 2, 8), (2, 2, 16), (3, 5, 9), (False, False, False), (1, 1, 2), "PPP", "BBF"),  # W = 9 <= 16, strided
+]
+
+
+@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(SHORT_AXIS_CASES))] + [(0, -0.7), (1, 0.0)])
+def test_forward_mask_fixed_on_axes_no_longer_than_the_key_box(case, scale):
+    q_tile, kv_tile, kernel, causal, stride, bound_only, with_lengths = SHORT_AXIS_CASES[case]
+    shape = (2, 5, 7, 9, 2, 16)
+    assert mode_letters(launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)) == bound_only
+    assert mode_letters(launch.mask_modes(q_tile, kv_tile, kernel, causal, stride, True, shape[1:4])) == with_lengths
+    dtype = torch.float16 if case % 2 else torch.float32
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=61 + case)
     cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=2)
     out = poisoned_like(q)
     launch.na3d_forward(q, k, v, kernel, scale, out=out, config=cfg, is_causal=causal, stride=stride)

@@ -192,6 +192,8 @@ def forward_config(
                          f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
     best = None
     for name, option in _options(entry):
+        if not _matches(option.get("when", {}), head_dim, kernel_size, dtype):
+            continue
         q_tile, kv_tile = fitted_tiles(option["q_tile"], option["kv_tile"], shape, kernel_size)
         ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile)
         if best is None or ratio < ALTERNATIVE_MARGIN * best[0]:
@@ -217,14 +219,17 @@ ALTERNATIVE_MARGIN = 0.95
 
 def _options(entry: Dict):
     """A bucket's configurations as ``(bucket name, entry)``: the entry itself, then
-    its ``alternatives`` (same keys, plus a ``name``), named ``bucket/name``.
+    its ``alternatives`` (same keys, plus a ``name``), named ``bucket/name``. An
+    alternative may narrow its bucket's ``when`` with its own (a register cap sized
+    for one head dim).
 
     The forward takes the option whose tiles issue the fewest products on the call's
     grid (``geometry.issued_flops_ratio`` after fitting, by the margin above): a
     choice made from the geometry alone, never by timing. Alternatives are box
     shapes the same kernel runs at about the same cost per step, which waste less
     only where the grid's borders clip their unions (the 11x11x11 bucket's boxes 8
-    frames deep, on clips of 13-16 frames)."""
+    frames deep, on clips of 13-16 frames; its boxes spanning a whole 16-frame clip,
+    which also mask T once per program)."""
     yield entry["bucket"], entry
     for alt in entry.get("alternatives", ()):
         yield f"{entry['bucket']}/{alt['name']}", alt

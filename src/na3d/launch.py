@@ -85,7 +85,7 @@ def na3d_forward(
         STORE_LSE=need_lse,
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
-        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask),
+        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **configs.maxnreg_option(cfg.maxnreg),
@@ -98,7 +98,8 @@ MASK_PER_STEP, MASK_BITS, MASK_FIXED = 0, 1, 2
 
 
 def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],
-               is_causal: Sequence[bool], stride: Sequence[int], enabled: bool = True) -> dict:
+               is_causal: Sequence[bool], stride: Sequence[int], enabled: bool = True,
+               lengths: Optional[Sequence[int]] = None) -> dict:
     """``MASK_T/H/W`` for a kernel whose programs own ``box`` and scan ``scanned_box``.
 
     ``MASK_FIXED`` along an axis where every program's union of windows fits one
@@ -107,13 +108,19 @@ def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequ
     is fixed, the others take ``MASK_BITS`` where the union fits the 31 bits of a
     per-query window mask, else ``MASK_PER_STEP``. With no fixed axis, or not
     ``enabled`` (the config's ``fixed_mask``), every axis is ``MASK_PER_STEP`` and the
-    kernel masks the scores as before (the configurations measured that way). The
-    choice depends on the boxes, kernel, causality and stride only, never on T, H,
-    W: a new grid size compiles no new kernel variant.
+    kernel masks the scores as before (the configurations measured that way).
+
+    ``lengths``: the grid's ``(T, H, W)``. An axis no longer than the scanned box is
+    fixed too, whatever the bound: every union lies inside the axis (a box that
+    spans a whole 16-frame clip, scanning 16-frame key boxes). Otherwise the choice
+    depends on the boxes, kernel, causality and stride only: a new grid size
+    compiles a new kernel variant only where an axis crosses the scanned box's size.
     """
     bounds = [geometry.union_width_bound(b, k, bool(c), s)
               for b, k, c, s in zip(box, kernel_size, is_causal, stride)]
     fixed = [bound <= n for bound, n in zip(bounds, scanned_box)]
+    if lengths is not None:
+        fixed = [f or length <= n for f, length, n in zip(fixed, lengths, scanned_box)]
     if not enabled or not any(fixed):
         modes = [MASK_PER_STEP] * 3
     else:
@@ -226,7 +233,8 @@ def na3d_backward(
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
         HAS_DLSE=grad_lse is not None, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
-        **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0),
+        **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
+                     (T, H, W)),
         **configs.maxnreg_option(cfg.dq_maxnreg), **common)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
