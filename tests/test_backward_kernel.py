@@ -319,17 +319,22 @@ def test_backward_dq_mask_fixed_on_axes_no_longer_than_the_key_box(case):
     shape = (2, 5, 7, 9, 1, 16)
     modes = launch.mask_modes(q_tile, kv_tile, kernel, causal, stride, True, shape[1:4])
     assert "".join("PBF"[modes[f"MASK_{axis}"]] for axis in "THW") == expected
-    dtype = torch.float16 if case % 2 else torch.float32
-    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=71 + case)
-    gen = torch.Generator().manual_seed(72 + case)
+    check_dq_case(q_tile, kv_tile, kernel, causal, stride, 0.3, shape, torch.float16 if case % 2 else torch.float32,
+                  seed=71 + case)
+
+
+def check_dq_case(q_tile, kv_tile, kernel, causal, stride, scale, shape, dtype, seed):
+    """Gradients with dQ on these tiles (and a gradient into lse) against the oracle."""
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     grad_out = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     grad_lse = torch.randn(shape[:5], generator=gen).to(DEVICE)
     config = BackwardConfig(q_tile, kv_tile, (2, 2, 4), (1, 2, 8), 4, 2)
-    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, need_lse=True, is_causal=causal, stride=stride)
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True, is_causal=causal, stride=stride)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grad_lse=grad_lse, grads=grads,
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grad_lse=grad_lse, grads=grads,
                          config=config, is_causal=causal, stride=stride)
-    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3, grad_lse, is_causal=causal, stride=stride)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, scale, grad_lse, is_causal=causal, stride=stride)
 
 
 @pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(DQ_MASK_CASES))] + [(0, -0.7), (1, 0.0)])
@@ -341,14 +346,5 @@ def test_backward_dq_mask_fixed_along_some_axes(case, scale):
     modes = launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)
     assert "".join("PBF"[modes[f"MASK_{axis}"]] for axis in "THW") == expected
     shape = (2 if case == 0 else 1, 5, 7, 9, 1, 16)
-    dtype = torch.float16 if case % 2 else torch.float32
-    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=41 + case)
-    gen = torch.Generator().manual_seed(42 + case)
-    grad_out = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-    grad_lse = torch.randn(shape[:5], generator=gen).to(DEVICE)
-    config = BackwardConfig(q_tile, kv_tile, (2, 2, 4), (1, 2, 8), 4, 2)
-    out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True, is_causal=causal, stride=stride)
-    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grad_lse=grad_lse, grads=grads,
-                         config=config, is_causal=causal, stride=stride)
-    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, scale, grad_lse, is_causal=causal, stride=stride)
+    check_dq_case(q_tile, kv_tile, kernel, causal, stride, scale, shape, torch.float16 if case % 2 else torch.float32,
+                  seed=41 + case)

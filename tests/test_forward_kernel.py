@@ -176,9 +176,13 @@ def test_forward_mask_fixed_along_some_axes(case, scale):
     # through tensor descriptors, fp32 ones through pointers.
     q_tile, kv_tile, kernel, causal, stride, expected = MASK_CASES[case]
     assert mode_letters(launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)) == expected
-    shape = (2, 5, 7, 9, 2, 16)
-    dtype = torch.float16 if case % 2 else torch.float32
-    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=31 + case)
+    check_mask_case(q_tile, kv_tile, kernel, causal, stride, scale, torch.float16 if case % 2 else torch.float32,
+                    seed=31 + case)
+
+
+def check_mask_case(q_tile, kv_tile, kernel, causal, stride, scale, dtype, seed, shape=(2, 5, 7, 9, 2, 16)):
+    """The forward on these tiles against the oracle (poisoned output first)."""
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=seed)
     cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=2)
     out = poisoned_like(q)
     launch.na3d_forward(q, k, v, kernel, scale, out=out, config=cfg, is_causal=causal, stride=stride)
@@ -202,12 +206,8 @@ def test_forward_mask_fixed_on_axes_no_longer_than_the_key_box(case, scale):
     shape = (2, 5, 7, 9, 2, 16)
     assert mode_letters(launch.mask_modes(q_tile, kv_tile, kernel, causal, stride)) == bound_only
     assert mode_letters(launch.mask_modes(q_tile, kv_tile, kernel, causal, stride, True, shape[1:4])) == with_lengths
-    dtype = torch.float16 if case % 2 else torch.float32
-    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=61 + case)
-    cfg = ForwardConfig(q_tile, kv_tile, num_warps=4, num_stages=2)
-    out = poisoned_like(q)
-    launch.na3d_forward(q, k, v, kernel, scale, out=out, config=cfg, is_causal=causal, stride=stride)
-    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale, is_causal=causal, stride=stride)
+    check_mask_case(q_tile, kv_tile, kernel, causal, stride, scale, torch.float16 if case % 2 else torch.float32,
+                    seed=61 + case, shape=shape)
 
 
 @pytest.mark.parametrize("case,modes", [(1, (0, 2, 2)), (2, (0, 1, 2)), (3, (2, 0, 1))])
