@@ -51,3 +51,16 @@ def test_tuner_records_its_timing_method():
     cpu = torch.device("cpu")
     assert timing_method(bench.Timer(cpu, flush_bytes=16)) == "eager, L2 flushed"
     assert timing_method(bench.Timer(cpu, flush_bytes=16, graphs=True)) == "GPU time, CUDA-graph replay"
+
+
+def test_bwd_rows_record_their_ratio_to_the_forward(capsys):
+    fwd = {"name": "a", "pass": "fwd", "ms": {"na3d": 0.5, "flex": 2.0}, "x_floor": {"na3d": 2.0},
+           "floor_ms": 0.25, "gpu_ms": {"na3d": 0.25}}
+    bwd = {"name": "a", "pass": "bwd", "ms": {"na3d": 1.5, "flex": 5.0, "na3d_fused": 1.0},
+           "x_floor": {"na3d": 3.0}, "floor_ms": 0.5, "gpu_ms": {"na3d": 1.0}}
+    bench.add_bwd_over_fwd(bwd, fwd)
+    # The fused backward has no forward of its own: no ratio for it.
+    assert bwd["bwd_over_fwd"] == {"na3d": 3.0, "flex": 2.5, "na3d_gpu": 4.0}
+    bench.print_table([fwd, bwd])
+    lines = capsys.readouterr().out.splitlines()
+    assert "bwd/fwd" in lines[0] and lines[2].rstrip().endswith("3.00") and lines[1].rstrip().endswith("nan")

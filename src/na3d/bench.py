@@ -140,6 +140,53 @@ def measure_ceilings(timer: Timer, device) -> Dict[str, float]:
     return {"copy_tbs": round(copy_tbs, 3), "dense_attn_tflops": round(tflops, 1)}
 
 
+def measure_dense_references(timer: Timer, device, flex: bool) -> Dict[str, dict]:
+    """Forward and backward of dense attention (no mask) at the ceiling's shape.
+
+    The backward rows' ``bwd / fwd`` ratio has no floor of its own; these say what
+    the dense kernels on the same GPU reach with the same head dim and no
+    neighborhood at all: PyTorch's flash backend (FA2), cuDNN's fused attention
+    where the build has it, and FlexAttention (Triton) with no block mask.
+    Backward = forward + backward minus forward, from dO; FLOPs 2.5x the forward's.
+    """
+    B, heads, seq, hd = 1, 8, 32768, 64
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, heads, seq, hd, dtype=torch.bfloat16, device=device, generator=gen,
+                           requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(B, heads, seq, hd, dtype=torch.bfloat16, device=device, generator=gen)
+    fwd_flops = 4.0 * B * heads * seq * seq * hd
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run(a, b, c):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(a, b, c)
+        return run
+
+    kernels = {"flash": sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        kernels["flex"] = torch.compile(flex_attention, dynamic=False)
+    out = {}
+    for name, fn in kernels.items():
+        def forward_and_backward():
+            torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
+        try:
+            with torch.no_grad():
+                fwd_ms = timer(lambda: fn(q, k, v), min_runs=10)
+            both_ms = timer(forward_and_backward, min_runs=10)
+        except Exception as exc:  # e.g. a build without cuDNN attention
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        bwd_ms = both_ms - fwd_ms
+        out[name] = {"fwd_ms": round(fwd_ms, 3), "bwd_ms": round(bwd_ms, 3),
+                     "fwd_tflops": round(fwd_flops / (fwd_ms * 1e-3) / 1e12, 1),
+                     "bwd_tflops": round(2.5 * fwd_flops / (bwd_ms * 1e-3) / 1e12, 1),
+                     "bwd_over_fwd": round(bwd_ms / fwd_ms, 2)}
+    out["shape"] = [B, heads, seq, hd]
+    return out
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -341,9 +388,19 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     return row
 
 
+def add_bwd_over_fwd(bwd: dict, fwd: dict) -> None:
+    """Issue 4's number: backward time over forward time, per method, same run."""
+    ratio = {m: round(bwd["ms"][m] / fwd["ms"][m], 3) for m in bwd["ms"]
+             if m in fwd["ms"] and bwd["ms"][m] > 0 and fwd["ms"][m] > 0}
+    gpu_b, gpu_f = bwd.get("gpu_ms", {}).get("na3d"), fwd.get("gpu_ms", {}).get("na3d")
+    if gpu_b and gpu_f:
+        ratio["na3d_gpu"] = round(gpu_b / gpu_f, 3)
+    bwd["bwd_over_fwd"] = ratio
+
+
 def print_table(rows: List[dict]) -> None:
     head = f"{'shape':<18}{'pass':>5}{'na3d ms':>10}{'x_floor':>9}{'gpu ms':>9}{'TFLOP/s':>9}{'TB/s':>7}" \
-           f"{'sdpa ms':>10}{'flex ms':>10}{'floor ms':>10}{'issued':>8}{'max err':>10}"
+           f"{'sdpa ms':>10}{'flex ms':>10}{'floor ms':>10}{'issued':>8}{'max err':>10}{'bwd/fwd':>9}"
     log(head)
     for r in rows:
         ms = r["ms"]
@@ -353,7 +410,8 @@ def print_table(rows: List[dict]) -> None:
         log(f"{r['name']:<18}{r['pass']:>5}{ms.get('na3d', float('nan')):>10.4f}{r['x_floor'].get('na3d', float('nan')):>9.2f}"
             f"{gpu_ms:>9.4f}{r.get('na3d_tflops', float('nan')):>9.1f}{r.get('na3d_tbs', float('nan')):>7.2f}"
             f"{ms.get('sdpa_exact', float('nan')):>10.3f}{ms.get('flex', float('nan')):>10.3f}"
-            f"{r['floor_ms']:>10.4f}{r.get('flops_issued_ratio', float('nan')):>8.2f}{err:>10.2e}")
+            f"{r['floor_ms']:>10.4f}{r.get('flops_issued_ratio', float('nan')):>8.2f}{err:>10.2e}"
+            f"{r.get('bwd_over_fwd', {}).get('na3d', float('nan')):>9.2f}")
 
 
 def plot(rows: List[dict], path: str, title: str) -> None:
@@ -450,6 +508,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     log(f"device: {name}; torch {torch.__version__}; measuring ceilings")
     ceilings = measure_ceilings(timer, device)
     log(f"ceilings: copy {ceilings['copy_tbs']} TB/s, dense SDPA flash {ceilings['dense_attn_tflops']} TFLOP/s")
+    if args.backward:
+        ceilings["dense_reference"] = measure_dense_references(timer, device, flex=not args.no_flex)
+        for ref_name, ref in ceilings["dense_reference"].items():
+            if isinstance(ref, dict):
+                log(f"dense {ref_name} (no mask, {ceilings['dense_reference']['shape']}): " + (
+                    ref["error"] if "error" in ref else
+                    f"fwd {ref['fwd_tflops']} TFLOP/s, bwd {ref['bwd_tflops']} TFLOP/s, bwd/fwd {ref['bwd_over_fwd']}"))
     import triton
 
     slug = device_slug(name)
@@ -478,6 +543,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.cuda.empty_cache()
         if args.backward:
             rows.append(backward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
+            if not args.no_forward:
+                add_bwd_over_fwd(rows[-1], rows[-2])
             torch.cuda.empty_cache()
         write(rows, complete=False)
     if args.decoder:
