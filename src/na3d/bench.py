@@ -9,6 +9,9 @@ On a GPU, in one process: measures the two ceilings (device-to-device copy
 bandwidth; dense SDPA flash-attention rate), then per shape times every method
 (median of many runs, L2 flushed before each), checks na3d's error against a float32
 oracle, prints a table and writes ``benchmarks/results/<device>.json`` and a plot.
+With ``--backward`` each bwd row also records ``bwd_over_fwd``, and the ceilings
+gain ``dense_reference``: dense attention's own forward and backward (no mask;
+FA2, cuDNN, FlexAttention) on the same GPU.
 Without a GPU it says so and runs a small CPU demonstration instead.
 
 ``ms`` is the time of an eager call (CUDA events around it): what a caller sees,
@@ -389,7 +392,9 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
 
 
 def add_bwd_over_fwd(bwd: dict, fwd: dict) -> None:
-    """Issue 4's number: backward time over forward time, per method, same run."""
+    """Backward time over forward time per method, same run (the backward target's
+    number; ``na3d_gpu`` from the CUDA-graph GPU times). A method with no forward
+    row of its own (``na3d_fused``) gets none."""
     ratio = {m: round(bwd["ms"][m] / fwd["ms"][m], 3) for m in bwd["ms"]
              if m in fwd["ms"] and bwd["ms"][m] > 0 and fwd["ms"][m] > 0}
     gpu_b, gpu_f = bwd.get("gpu_ms", {}).get("na3d"), fwd.get("gpu_ms", {}).get("na3d")
