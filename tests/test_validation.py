@@ -203,3 +203,54 @@ def test_bucket_alternatives_chosen_by_issued_products():
             if best is None or ratio < configs.ALTERNATIVE_MARGIN * best:
                 want, best = name, ratio
         assert cfg.bucket == want, (shape, want)
+
+
+def test_numpy_scalars_are_accepted(qkv, monkeypatch):
+    # NumPy integers and bools wherever Python ones are (kernel sizes read from an
+    # array, flags from a config parsed by NumPy).
+    np = pytest.importorskip("numpy")
+    monkeypatch.undo()
+    q, k, v = qkv
+    want = call(q, k, v, (3, 3, 3), dilation=1, is_causal=(True, False, False), scale=0.25, return_lse=True)
+    got = call(q, k, v, np.int64(3), dilation=np.int32(1), is_causal=(np.bool_(True), False, np.False_),
+               scale=np.float32(0.25), return_lse=np.bool_(True))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert na3d.na1d(q[:, 0, 0], k[:, 0, 0], v[:, 0, 0], np.uint8(3)).shape == q[:, 0, 0].shape
+    with pytest.raises(TypeError, match="kernel_size"):
+        call(q, k, v, np.float64(3))
+    with pytest.raises(TypeError, match="is_causal"):
+        call(q, k, v, 3, is_causal=np.int64(1))
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 4, 5, 2, 16), (1, 0, 4, 5, 2, 16), (2, 3, 0, 5, 2, 16),
+                                   (1, 3, 4, 0, 2, 16)])
+def test_empty_batch_or_grid_gives_an_empty_result(shape):
+    # One rule: an empty batch or grid gives an empty result (and empty gradients);
+    # the kernel size is not compared with an empty grid's lengths.
+    x = torch.randn(shape, requires_grad=True)
+    out, lse = call(x, x, x, (3, 3, 3), return_lse=True)
+    assert out.shape == x.shape and lse.shape == x.shape[:-1] and lse.dtype == torch.float32
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("shape,pattern", [((1, 3, 4, 5, 0, 16), "query must have at least one head"),
+                                           ((0, 3, 4, 5, 2, 0), "head dim 0"),
+                                           ((1, 0, 4, 5, 2, 12), "head dim 12")])
+def test_invalid_shapes_raise_even_when_empty(shape, pattern):
+    x = torch.randn(shape)
+    with pytest.raises(ValueError, match=pattern):
+        call(x, x, x)
+
+
+def test_zero_key_heads_raise(qkv):
+    q, _, _ = qkv
+    empty_heads = torch.randn(1, 3, 4, 5, 0, 16)
+    with pytest.raises(ValueError, match="key must have at least one head"):
+        call(q, empty_heads, empty_heads)
+
+
+def test_empty_grid_still_checks_kernel_range():
+    x = torch.randn(1, 0, 4, 5, 2, 16)
+    with pytest.raises(ValueError, match="at least 1"):
+        call(x, x, x, (3, 0, 3))

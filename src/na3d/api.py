@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from . import launch, ops, reference
@@ -31,17 +33,25 @@ IntOrTriple = Union[int, Sequence[int]]
 BoolOrTriple = Union[bool, Sequence[bool]]
 
 
+def _is_bool(x) -> bool:
+    """A Python or NumPy bool (``numpy.bool_`` is not a ``bool`` subclass)."""
+    return isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x) -> bool:
+    """A Python or NumPy integer (``numbers.Integral``), bools excluded."""
+    return isinstance(x, numbers.Integral) and not _is_bool(x)
+
+
 def _ntuple(value, n: int, name: str, kind: type) -> tuple:
-    """Normalize an int/bool or an n-sequence of them into an n-tuple."""
-    def ok(x):
-        if kind is bool:
-            return isinstance(x, bool)
-        return isinstance(x, int) and not isinstance(x, bool)
+    """Normalize an int/bool or an n-sequence of them into an n-tuple of Python
+    ints/bools (NumPy scalars are accepted wherever Python ones are)."""
+    ok = _is_bool if kind is bool else _is_int
 
     if ok(value):
-        return (value,) * n
+        return (kind(value),) * n
     if isinstance(value, (tuple, list)) and len(value) == n and all(ok(x) for x in value):
-        return tuple(value)
+        return tuple(kind(x) for x in value)
     article = "an" if kind is int else "a"
     raise TypeError(f"{name}={value!r} must be {article} {kind.__name__} or a tuple of {n} {kind.__name__}s")
 
@@ -63,6 +73,9 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
             "query (B, T, H, W, NH, HD) and key, value (B, T, H, W, NKV, HD) must agree in every "
             f"dimension but the heads; got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
             f"value.shape={tuple(value.shape)}")
+    for name, t in (("query", query), ("key", key)):
+        if t.shape[4] == 0:
+            raise ValueError(f"{name} must have at least one head (NH >= 1); got {name}.shape={tuple(t.shape)}")
     if query.shape[4] % key.shape[4]:
         raise ValueError(f"query heads ({query.shape[4]}) must be a multiple of key/value heads "
                          f"({key.shape[4]}) for grouped-query attention")
@@ -86,12 +99,16 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
 
 def _check_kernel_size(kernel_size: IntOrTriple, dilation: IntOrTriple,
                        spatial: Sequence[int]) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+    """Kernel sizes and dilations as triples, checked against the grid ``spatial``.
+    An empty grid (some axis of length 0) has no windows to check: only the
+    arguments' own ranges are (its result is empty)."""
     ks = _triple(kernel_size, "kernel_size", int)
     dil = _triple(dilation, "dilation", int)
+    empty = 0 in tuple(spatial)
     for axis, k, d, size in zip("THW", ks, dil, spatial):
         if d < 1:
             raise ValueError(f"dilation={dil}: along {axis} it must be at least 1; got {d}")
-        if k < 1 or k * d > size:
+        if k < 1 or (k * d > size and not empty):
             raise ValueError(f"kernel_size={ks}, dilation={dil}: along {axis} the kernel must be at least 1 "
                              f"and kernel * dilation at most the input size {size}; got {k} * {d}")
     return ks, dil
@@ -106,12 +123,18 @@ def _check_stride(stride: IntOrTriple, kernel_size: Sequence[int]) -> Tuple[int,
     return st
 
 
+def _empty_result(query, key, value, return_lse: bool):
+    """The result for an empty batch or grid: empty tensors of the right shapes,
+    still connected to the inputs so that autograd gives (empty) gradients."""
+    tie = (query.sum() + key.sum() + value.sum()).to(query.dtype) * 0
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device) + tie
+    if not return_lse:
+        return out
+    return out, torch.zeros(query.shape[:-1], dtype=torch.float32, device=query.device) + tie.float()
+
+
 def _run(query, key, value, kernel_size, causal, stride, scale: float, return_lse: bool):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if query.numel() == 0:
-        out = torch.empty_like(query)
-        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-        return (out, lse) if return_lse else out
     if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
         if not needs_grad and not torch.compiler.is_compiling():
             # Inference, eager: launch directly. The operator's dispatch (schema
@@ -178,11 +201,16 @@ def na3d(
     causal = _triple(is_causal, "is_causal", bool)
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+    elif not isinstance(scale, numbers.Real) or _is_bool(scale) or not math.isfinite(scale):
         raise TypeError(f"scale={scale!r} must be a finite float or None")
-    if not isinstance(return_lse, bool):
+    if not _is_bool(return_lse):
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
+    return_lse = bool(return_lse)
     _check_additional(query, key, additional_keys, additional_values)
+    if query.shape[0] == 0 or 0 in query.shape[1:4]:
+        # An empty batch or grid: an empty result (the extra tokens, if any, have
+        # no query to attend to).
+        return _empty_result(query, key, value, return_lse)
     if additional_keys is None:
         return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse)
     out, lse = _dilated(query, key, value, ks, dil, causal, st, float(scale), True)
