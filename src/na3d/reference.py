@@ -1,6 +1,6 @@
 """Exact PyTorch references for 3D neighborhood attention.
 
-Two implementations of the same definition (``geometry.py``), independent of the
+Three implementations of the same definition (``geometry.py``), independent of the
 Triton kernels:
 
 * :func:`na3d_brute_force`: dense attention with an ``[N, N]`` neighborhood mask,
@@ -13,7 +13,13 @@ Triton kernels:
   get when the Triton interpreter is not active, and what the GPU tests and the
   benchmark compare against.
 
-Both take ``(B, T, H, W, NH, HD)`` tensors ("heads last") and differentiate
+* :func:`na3d_windowed`: every query attends to exactly the keys of its window,
+  gathered (no mask, no product with any other key), so an inf or NaN in an input
+  reaches exactly the outputs and gradients whose windows hold it, as IEEE
+  arithmetic over the window gives them. The oracle for non-finite inputs; tiny
+  shapes only.
+
+All take ``(B, T, H, W, NH, HD)`` tensors ("heads last") and differentiate
 through autograd.
 """
 
@@ -321,3 +327,55 @@ def _join_boxes(pieces: Dict[tuple, torch.Tensor]) -> torch.Tensor:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
     return join(list(pieces), 0)
+
+
+def na3d_windowed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: Sequence[int],
+    scale: Optional[float] = None,
+    dilation: Sequence[int] = (1, 1, 1),
+    is_causal: Sequence[bool] = (False, False, False),
+    stride: Sequence[int] = (1, 1, 1),
+    compute_dtype: torch.dtype = torch.float64,
+    return_lse: bool = False,
+):
+    """Attention of each query over its own window's keys only, gathered.
+
+    The window of every query comes from ``geometry.neighborhood_mask``; windows
+    narrower than the widest (causal axes) are padded with a zero key and value
+    whose score is masked by selection, so nothing outside a window enters any
+    product. Gradients (autograd through the gather) likewise combine only the
+    pairs of a window. Grouped-query attention repeats the key/value heads.
+    Memory ``B * N * window * NH * HD``: tiny shapes only.
+    """
+    B, T, H, W, NH, HD = q.shape
+    n = T * H * W
+    scale = HD ** -0.5 if scale is None else scale
+    mask = geometry.neighborhood_mask((T, H, W), kernel_size, dilation, is_causal, device=q.device, stride=stride)
+    count = mask.sum(1)
+    width = int(count.max())
+    # Per query, the indices of its keys first (stable order), padded with index n
+    # (the zero key appended below).
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    in_window = torch.arange(width, device=q.device)[None, :] < count[:, None]
+    index = torch.where(in_window, order, n)
+
+    def flat(x):
+        x = x.reshape(B, n, x.shape[-2], x.shape[-1]).to(compute_dtype)
+        if x.shape[2] != NH:
+            x = x.repeat_interleave(NH // x.shape[2], dim=2)
+        return torch.cat([x, x.new_zeros(B, 1, NH, x.shape[-1])], 1)
+
+    kf, vf = flat(k), flat(v)
+    qf = q.reshape(B, n, NH, HD).to(compute_dtype)
+    keys = kf[:, index]                                   # (B, n, width, NH, HD)
+    values = vf[:, index]
+    scores = torch.einsum("bqnd,bqjnd->bqnj", qf, keys) * scale
+    scores = torch.where(in_window[None, :, None, :], scores, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bqnj,bqjnd->bqnd", probs, values).reshape(B, T, H, W, NH, vf.shape[-1]).to(q.dtype)
+    if not return_lse:
+        return out
+    return out, torch.logsumexp(scores, dim=-1).reshape(B, T, H, W, NH)

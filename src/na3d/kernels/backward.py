@@ -30,8 +30,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, fixed_mask_bias, load_rows, next_box, queries_seeing,
-                     seen_by, sees, step_mask_bias, union_of_windows, window_bits, window_bounds)
+from .common import (box_of_program, box_offsets, count_nonfinite, finite_part, fixed_mask_bias, has_nonfinite,
+                     load_rows, next_box, queries_seeing, seen_by, sees, step_mask_bias, union_of_windows, window_bits,
+                     window_bounds)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -88,9 +89,6 @@ def na3d_bwd_dq_kernel(
     ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
-    steps_h = tl.cdiv(uh1 - uh0, KV_H)
-    steps_w = tl.cdiv(uw1 - uw0, KV_W)
-    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -112,9 +110,48 @@ def na3d_bwd_dq_kernel(
 
     k_base = K + bh * stride_kb + hd * stride_kn
     v_base = V + bh * stride_vb + hd * stride_vn
+    dq, _ = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
+                    stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                    ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
+                    CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, False)
+    if has_nonfinite(dq):
+        dq, nonfinite = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh,
+                                stride_kw, stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W,
+                                KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM,
+                                BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
+                                MASK_T, MASK_H, MASK_W, True)
+        dq = tl.where(nonfinite > 0, float("nan"), dq)
+
+    dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
+               + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
+            stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+            ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+            KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+            USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+            SAFE: tl.constexpr):
+    """The dQ kernel's scan: ``(dq, nonfinite)``, dQ unscaled and, in the ``SAFE``
+    loop, per element the count of visible non-finite keys it would have combined
+    (``kernels.common``; a dummy in the fast loop). The safe loop masks by
+    selection, ``dS`` too (a non-finite ``dP`` of a hidden key stays out), and
+    multiplies ``dS`` by the keys' finite part."""
+    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
+    steps_h = tl.cdiv(uh1 - uh0, KV_H)
+    steps_w = tl.cdiv(uw1 - uw0, KV_W)
+    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    if SAFE:
+        nonfinite = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    else:
+        nonfinite = tl.zeros([1, 1], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
-    ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0
+    ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE
     if ON_PRODUCT:
         st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
         sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
@@ -157,12 +194,13 @@ def na3d_bwd_dq_kernel(
             p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
+        if SAFE:
+            ds = tl.where(visible, ds, 0.0)
+            k, k_ok = finite_part(k)
+            nonfinite = count_nonfinite(visible, k_ok, nonfinite)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-
-    dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
-               + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+    return dq, nonfinite
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
@@ -219,9 +257,6 @@ def na3d_bwd_dkdv_kernel(
     qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
-    steps_h = tl.cdiv(qh1 - qh0, Q_H)
-    steps_w = tl.cdiv(qw1 - qw0, Q_W)
-    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -230,11 +265,90 @@ def na3d_bwd_dkdv_kernel(
     pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
     k = load_rows(K + bh * stride_kb + hd * stride_kn, pos_t, pos_h, pos_w, stride_kt, stride_kh, stride_kw, d, d_ok)
     v = load_rows(V + bh * stride_vb + hd * stride_vn, pos_t, pos_h, pos_w, stride_vt, stride_vh, stride_vw, d, d_ok)
-
     q_base = Q + bh * stride_qb + hd * stride_qn
     do_base = DO + bh * stride_dob + hd * stride_don
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    dk, dv, _ = dkdv_scan(
+        k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+        stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+        kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+        HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ACCUMULATE_DQ, USE_TMA,
+        BULK_DQ, BOTH_GRADIENTS)
+    if has_nonfinite(dk + dv):
+        # Recomputed one gradient at a time: each safe loop then holds as many
+        # accumulators as the fast one (it counts non-finite operands beside its
+        # gradient), so it does not raise the kernel's register use.
+        _, dv, nonfinite = dkdv_scan(
+            k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+            stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, False, USE_TMA,
+            False, SAFE_DV)
+        dv = tl.where(nonfinite > 0, float("nan"), dv)
+        dk, _, nonfinite = dkdv_scan(
+            k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+            stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, False, USE_TMA,
+            False, SAFE_DK)
+        dk = tl.where(nonfinite > 0, float("nan"), dk)
+
+    store = k_valid[:, None] & d_ok[None, :]
+    dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
+               + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
+    dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
+               + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=store)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)
+
+
+# What a dK/dV scan computes: both gradients (the fast loop), or one of them in the
+# safe loop (``kernels.common``).
+BOTH_GRADIENTS = tl.constexpr(0)
+SAFE_DV = tl.constexpr(1)
+SAFE_DK = tl.constexpr(2)
+
+
+@triton.jit
+def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+              stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+              kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+              CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, WHAT: tl.constexpr):
+    """The dK/dV kernel's scan over the query boxes that see its keys:
+    ``(dk, dv, nonfinite)``, dK unscaled. ``WHAT``: ``BOTH_GRADIENTS`` (the fast
+    loop; ``nonfinite`` a dummy), or ``SAFE_DV`` / ``SAFE_DK``: one gradient by the
+    safe loop (the other a dummy), masked by selection and multiplied by the
+    finite part of dO (for dV) or Q (for dK), with per element the count of
+    visible non-finite operands it would have combined.
+
+    With ``ACCUMULATE_DQ`` (the fused backward, fast loop only) each step's dQ
+    terms go out at once and cannot be taken back, so they are computed the safe
+    way on every step: ``dS`` masked by selection and multiplied by the keys'
+    finite part, with NaN where a visible key is non-finite (the count only runs
+    when the program's keys hold a non-finite element)."""
+    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    SAFE: tl.constexpr = WHAT != BOTH_GRADIENTS
+    steps_h = tl.cdiv(qh1 - qh0, Q_H)
+    steps_w = tl.cdiv(qw1 - qw0, Q_W)
+    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
+    if WHAT != SAFE_DV:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    else:
+        dk = tl.zeros([1, 1], tl.float32)
+    if WHAT != SAFE_DK:
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    else:
+        dv = tl.zeros([1, 1], tl.float32)
+    if SAFE:
+        nonfinite = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    else:
+        nonfinite = tl.zeros([1, 1], tl.float32)
+    if ACCUMULATE_DQ:
+        k_finite, k_ok = finite_part(k)
+        k_has_nonfinite = has_nonfinite(k)
     off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
@@ -283,27 +397,37 @@ def na3d_bwd_dkdv_kernel(
             visible = visible & k_valid[:, None]
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
-        if ACCUMULATE_DQ:
-            dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k, input_precision="ieee")
-            if BULK_DQ:
-                DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D],
-                                   dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
+        if WHAT == SAFE_DV:
+            do_finite, do_ok = finite_part(do)
+            nonfinite = count_nonfinite(visible, do_ok, nonfinite)
+            dv = tl.dot(p_t.to(do.dtype), do_finite, dv, input_precision="ieee")
+        elif WHAT == BOTH_GRADIENTS:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+        if WHAT != SAFE_DV:
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SAFE or ACCUMULATE_DQ:
+                ds_t = tl.where(visible, ds_t, 0.0)
+            if SAFE:
+                q_finite, q_ok = finite_part(q)
+                nonfinite = count_nonfinite(visible, q_ok, nonfinite)
+                dk = tl.dot(ds_t.to(q.dtype), q_finite, dk, input_precision="ieee")
             else:
-                tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
-                              mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
+                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+            if ACCUMULATE_DQ:
+                dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k_finite, input_precision="ieee")
+                if k_has_nonfinite:
+                    dq_part = tl.where(count_nonfinite(tl.trans(visible), k_ok,
+                                                       tl.zeros([BLOCK_M, BLOCK_D], tl.float32)) > 0,
+                                       float("nan"), dq_part)
+                if BULK_DQ:
+                    DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D],
+                                       dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
+                else:
+                    tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
+                                  mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-
-    store = k_valid[:, None] & d_ok[None, :]
-    dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
-               + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
-    dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
-               + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=store)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)
+    return dk, dv, nonfinite
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])

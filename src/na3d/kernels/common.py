@@ -229,3 +229,41 @@ def load_rows(base, pos_t, pos_h, pos_w, stride_t, stride_h, stride_w, d, d_ok):
     padding columns read 0)."""
     return tl.load(base + (pos_t * stride_t + pos_h * stride_h + pos_w * stride_w)[:, None] + d[None, :],
                    mask=d_ok[None, :], other=0.0)
+
+
+# Non-finite inputs. A kernel's products combine every key of a box with every
+# query of a box, so an inf or NaN in one key, value or query would reach, through
+# a zero product (0 * inf = NaN) or the additive mask (NaN - inf = NaN), queries
+# whose windows do not hold it. The kernels therefore run their loop as fast as
+# ever and check their results once per program: a tile that came out with a
+# non-finite element is computed again with ``SAFE`` loops, which mask scores by
+# selection, feed the products only finite operands (non-finite elements zeroed),
+# and count per result element the visible non-finite operands it should have
+# combined. Where the count is non-zero the result is NaN; elsewhere it is what a
+# zeroed input would have given, bit for bit (the safe loop does the same
+# arithmetic in the same order on finite data).
+
+
+@triton.jit
+def has_nonfinite(x):
+    """True (a scalar) when some element of the 2-D tile ``x`` is inf or NaN. One add
+    per element: a NaN or inf anywhere makes the total non-finite (finite totals
+    that overflow count too, and merely cost a safe recomputation)."""
+    total = tl.sum(tl.sum(x.to(tl.float32), 1), 0)
+    return (total != total) | (tl.abs(total) == float("inf"))
+
+
+@triton.jit
+def finite_part(x):
+    """``x`` with its non-finite elements replaced by 0, and which elements were
+    finite."""
+    ok = tl.abs(x.to(tl.float32)) < float("inf")
+    return tl.where(ok, x, tl.zeros_like(x)), ok
+
+
+@triton.jit
+def count_nonfinite(visible, ok, count):
+    """``count`` plus, per (row of ``visible``, column of ``ok``), how many visible
+    operands along the reduced axis are non-finite: ``visible @ (~ok)`` on the
+    tensor cores (0/1 values, exact)."""
+    return tl.dot(visible.to(tl.float16), tl.where(ok, 0.0, 1.0).to(tl.float16), count, input_precision="ieee")

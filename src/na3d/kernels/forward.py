@@ -7,8 +7,8 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, fixed_mask_bias, next_box, sees, step_mask_bias,
-                     union_of_windows, window_bits, window_bounds)
+from .common import (box_of_program, box_offsets, count_nonfinite, finite_part, fixed_mask_bias, has_nonfinite,
+                     next_box, sees, step_mask_bias, union_of_windows, window_bits, window_bounds)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
@@ -59,6 +59,10 @@ def na3d_fwd_kernel(
     accumulator: ``MASK_BITS`` axes by testing per-query window bits shifted to the
     step, ``MASK_PER_STEP`` ones by comparing positions. With no ``MASK_FIXED`` axis
     (or a zero scale) the kernel masks the scores after the product instead.
+
+    Non-finite inputs (``kernels.common``): the tile is computed by the fast loop;
+    if its output has an inf or NaN, it is computed again by the safe loop, whose
+    outputs are NaN exactly where a visible non-finite input reaches them.
     """
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
@@ -73,9 +77,6 @@ def na3d_fwd_kernel(
     ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
-    steps_h = tl.cdiv(uh1 - uh0, KV_H)
-    steps_w = tl.cdiv(uw1 - uw0, KV_W)
-    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -86,15 +87,62 @@ def na3d_fwd_kernel(
     k_base = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kn
     v_base = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vn
 
+    acc, m_i, l_i, _ = forward_scan(
+        q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
+        batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
+        HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN, USE_TMA,
+        MASK_T, MASK_H, MASK_W, False)
+    out = acc / l_i[:, None]
+    if has_nonfinite(out):
+        acc, m_i, l_i, nonfinite = forward_scan(
+            q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
+            batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d,
+            d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN,
+            USE_TMA, MASK_T, MASK_H, MASK_W, True)
+        out = tl.where(nonfinite > 0, float("nan"), acc / l_i[:, None])
+
+    o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on
+              + (qt.to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
+                 + qw.to(tl.int64) * stride_ow)[:, None] + d[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+    if STORE_LSE:
+        heads = tl.num_programs(1)
+        lse_rows = (((batch.to(tl.int64) * T + qt) * H + qh) * W + qw) * heads + head
+        # m_i is in log2 units of the scaled scores; convert to natural log.
+        tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
+
+
+@triton.jit
+def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
+                 batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale,
+                 d, d_ok,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+                 CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
+                 MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr):
+    """The scan of one program's union of windows: ``(acc, m, l, nonfinite)``, the
+    unnormalized output, row maximum and sum (log2 domain) and, in the ``SAFE``
+    loop, per output element the count of visible non-finite values it would
+    have combined (``kernels.common``); the fast loop returns a dummy there."""
+    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
+    steps_h = tl.cdiv(uh1 - uh0, KV_H)
+    steps_w = tl.cdiv(uw1 - uw0, KV_W)
+    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    if SAFE:
+        nonfinite = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    else:
+        nonfinite = tl.zeros([1, 1], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     # Scores the mask drops: -inf, or +inf when the scale is negative (the row
     # "maximum" is then taken as a minimum of the raw scores, see below).
     MASKED: tl.constexpr = float("inf") if SCALE_SIGN < 0 else float("-inf")
-    # (A zero scale has no scores to add the bias to: it keeps the plain mask.)
-    ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0
+    # (A zero scale has no scores to add the bias to: it keeps the plain mask; so
+    # does the safe loop, which must select, not add, the mask.)
+    ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0 and not SAFE
     if ON_PRODUCT:
         st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
         sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
@@ -144,7 +192,8 @@ def na3d_fwd_kernel(
                 s = tl.where(visible, s, float("inf"))
             m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
         else:
-            s = tl.where(visible, 0.0, float("-inf"))
+            # 0 * score keeps a non-finite score non-finite, as scaling it would.
+            s = tl.where(visible, s * 0.0, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes
         # its exponentials exactly 0 rather than NaN.
@@ -162,18 +211,11 @@ def na3d_fwd_kernel(
                     + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_vh
                     + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_vw)
             v = tl.load(v_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        if SAFE:
+            v, v_ok = finite_part(v)
+            nonfinite = count_nonfinite(visible, v_ok, nonfinite)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-
-    out = acc / l_i[:, None]
-    o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on
-              + (qt.to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
-                 + qw.to(tl.int64) * stride_ow)[:, None] + d[None, :])
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
-    if STORE_LSE:
-        heads = tl.num_programs(1)
-        lse_rows = (((batch.to(tl.int64) * T + qt) * H + qh) * W + qw) * heads + head
-        # m_i is in log2 units of the scaled scores; convert to natural log.
-        tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
+    return acc, m_i, l_i, nonfinite

@@ -1,0 +1,86 @@
+"""GPU time of na3d's forward and backward on the benchmark shapes, for A/B runs.
+
+Times whichever ``na3d`` is first on ``sys.path`` (run it once per tree, e.g.
+``PYTHONPATH=/tmp/old/src python benchmarks/ab_gpu_time.py --tag old`` and
+``PYTHONPATH=src python benchmarks/ab_gpu_time.py --tag new``, alternating) and
+prints one JSON line per shape and pass: GPU time by CUDA-graph replay (L2 flushed
+before each replay; the backward as forward + backward minus forward, as in the
+benchmark), median of ``--repeats`` medians. bf16, inputs as in the benchmark.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from importlib import resources
+
+import torch
+
+
+def timer_class():
+    """The benchmark's ``Timer`` (where the tree under test keeps it)."""
+    for module in ("na3d.tools.timing", "na3d.tools.bench", "na3d.bench"):
+        try:
+            return __import__(module, fromlist=["Timer"]).Timer
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("no Timer in this na3d tree")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tag", required=True)
+    parser.add_argument("--shapes", nargs="*", help="shape names (default: all benchmark shapes)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-backward", action="store_true")
+    args = parser.parse_args(argv)
+
+    import na3d
+
+    specs = json.loads((resources.files("na3d") / "bench_shapes.json").read_text())["shapes"]
+    if args.shapes:
+        specs = [s for s in specs if s["name"] in args.shapes]
+    timer = timer_class()(torch.device("cuda"), graphs=True)
+    for spec in specs:
+        shape, ks = tuple(spec["shape"]), tuple(spec["kernel_size"])
+        scale = shape[-1] ** -0.5
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+        def forward():
+            return na3d.na3d(*leaves, ks, scale=scale)
+
+        def forward_backward():
+            return torch.autograd.grad(forward(), leaves, do)
+
+        fwd = [timer(forward, min_runs=20, target_ms=300) for _ in range(args.repeats)]
+        print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "fwd", "gpu_ms": statistics.median(fwd),
+                          "runs": [round(t, 5) for t in fwd]}), flush=True)
+        if args.no_backward:
+            continue
+        bwd = [timer(forward_backward, min_runs=20, target_ms=300) - timer(forward, min_runs=20, target_ms=300)
+               for _ in range(args.repeats)]
+        print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "bwd", "gpu_ms": statistics.median(bwd),
+                          "runs": [round(t, 5) for t in bwd]}), flush=True)
+        del leaves, q, k, v, do
+        torch.cuda.empty_cache()
+
+
+def summarize(path: str) -> None:
+    """Print new/old per shape and pass from a file of the lines ``main`` prints."""
+    rows = [json.loads(line) for line in open(path) if line.startswith("{")]
+    runs = {}
+    for r in rows:
+        runs.setdefault((r["name"], r["pass"]), {}).setdefault(r["tag"], []).append(r["gpu_ms"])
+    print(f"{'shape':<18}{'pass':>5}{'old ms':>10}{'new ms':>10}{'new/old':>9}")
+    for (name, pas), tags in runs.items():
+        old, new = statistics.median(tags.get("old", [float("nan")])), statistics.median(tags.get("new", [float("nan")]))
+        print(f"{name:<18}{pas:>5}{old:>10.4f}{new:>10.4f}{new / old:>9.3f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--summarize":
+        summarize(sys.argv[2])
+    else:
+        main()
