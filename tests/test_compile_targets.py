@@ -40,7 +40,8 @@ TARGETS = {
 # Shared memory (LDS on AMD) one program may use: the opt-in maximum per block.
 SHARED_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024, "gfx942": 64 * 1024, "gfx950": 160 * 1024}
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16",
-            "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DLSE": "*fp32", "DQ_ACC": "*fp32", "STATS": "*fp32"}
+            "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DLSE": "*fp32", "DQ_ACC": "*fp32", "STATS": "*fp32",
+            "FLAGS": "*i8"}
 
 
 def compile_for(kernel, target, constexprs, num_warps, num_stages, maxnreg=None):
@@ -118,8 +119,9 @@ def product_instruction(arch, rows, warps):
 
 
 def compile_all(arch):
-    from na3d.kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
-    from na3d.kernels.forward import na3d_fwd_kernel
+    from na3d.kernels.backward import (na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel,
+                                       na3d_bwd_dq_kernel, na3d_bwd_dq_safe_kernel)
+    from na3d.kernels.forward import na3d_fwd_kernel, na3d_fwd_safe_kernel
 
     target, _, asm = TARGETS[arch]
     target = GPUTarget(*target)
@@ -150,6 +152,10 @@ def compile_all(arch):
             assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
+            if use_tma == (arch == "sm90"):  # the safe kernel (kernels/common.py), once per configuration
+                fits(compile_for(na3d_fwd_safe_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1,
+                                                                    USE_TMA=use_tma, **tiles, **flags), warps, 1),
+                     "safe forward")
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
         dkdv_k, dkdv_q = q_tile, kv_tile
@@ -180,6 +186,12 @@ def compile_all(arch):
                                      dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
                                      dkdv_warps, dkdv_stages, dkdv_cap), "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
+            if use_tma == (arch == "sm90"):
+                fits(compile_for(na3d_bwd_dq_safe_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, **tiles,
+                                                                       **modes), dq_warps, 1), "safe dQ")
+                fits(compile_for(na3d_bwd_dkdv_safe_kernel, target,
+                                 dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, **dual),
+                                 dkdv_warps, 1), "safe dK/dV")
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"

@@ -128,6 +128,12 @@ def device_arch(device_index: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors (compute units) of a CUDA/ROCm device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
 def load_table(arch: str) -> dict:
     """The JSON table for ``arch``, or the default table when there is none."""
     folder = resources.files("na3d") / "configs"

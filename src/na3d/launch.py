@@ -59,7 +59,7 @@ def na3d_forward(
     tests pass a NaN-filled one so that an element the kernel never writes shows.
     Returns ``(out, lse)``, ``lse`` float32 ``(B, T, H, W, NH)`` or None.
     """
-    from .kernels.forward import na3d_fwd_kernel
+    from .kernels.forward import na3d_fwd_kernel, na3d_fwd_safe_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -68,14 +68,15 @@ def na3d_forward(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.q_tile)]
-    grid = (tiles[0] * tiles[1] * tiles[2], NH, B)
+    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    flags = nonfinite_flags(n_tiles * NH * B, q.device)
     use_tma = cfg.tma and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.kv_tile) for x in (k, v)] if use_tma else [k, v]
-    na3d_fwd_kernel[grid](
-        q, k, v, out, lse if lse is not None else out, *descs,
-        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5],
-        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2],
-        scale * LOG2_E,
+    args = (q, k, v, out, lse if lse is not None else out, *descs, flags,
+            *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5],
+            T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], n_tiles, NH, flags.numel(),
+            scale * LOG2_E)
+    constexprs = dict(
         HEAD_DIM=HD,
         BLOCK_D=max(16, triton_next_power_of_2(HD)),
         Q_T=cfg.q_tile[0], Q_H=cfg.q_tile[1], Q_W=cfg.q_tile[2],
@@ -85,11 +86,12 @@ def na3d_forward(
         STORE_LSE=need_lse,
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
-        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **configs.maxnreg_option(cfg.maxnreg),
-    )
+        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)))
+    na3d_fwd_kernel[(n_tiles, NH, B)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                      **configs.maxnreg_option(cfg.maxnreg))
+    # Tiles whose output holds an inf or NaN, again the safe way (kernels/common.py);
+    # same warps, so that its products are the fast kernel's, tile for tile.
+    na3d_fwd_safe_kernel[safe_grid(flags)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
     return out, lse
 
 
@@ -127,6 +129,24 @@ def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequ
         modes = [MASK_FIXED if f else MASK_BITS if bound <= 31 else MASK_PER_STEP
                  for f, bound in zip(fixed, bounds)]
     return {f"MASK_{axis}": mode for axis, mode in zip("THW", modes)}
+
+
+def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
+    """One int8 per program of a kernel, which the kernel sets to 1 where its results
+    hold an inf or NaN (every program writes its own: no zeroing needed)."""
+    return torch.empty(n_programs, dtype=torch.int8, device=device)
+
+
+def safe_grid(flags: torch.Tensor) -> Tuple[int]:
+    """Programs of a safe kernel (kernels/common.py): enough to read the flags in a
+    few loads each, at most one per SM (they only end when no flag is set)."""
+    return (max(1, min(math.ceil(flags.numel() / 256), _sm_count(flags.device))),)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return configs.sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tma_layout_ok(*tensors: torch.Tensor) -> bool:
@@ -197,7 +217,8 @@ def na3d_backward(
     ``torch.use_deterministic_algorithms(True)`` the deterministic kernels run
     whatever the config says.
     """
-    from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
+    from .kernels.backward import (na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, na3d_bwd_dq_kernel,
+                                   na3d_bwd_dq_safe_kernel)
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -222,35 +243,51 @@ def na3d_backward(
                         common)
         return dq, dk, dv
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
+    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    flags = nonfinite_flags(n_tiles * NH * B, q.device)
     use_tma = cfg.tma and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.dq_kv_tile) for x in (k, v)] if use_tma else [k, v]
-    na3d_bwd_dq_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats, dq, *descs,
-        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
-        *dq.stride()[:5],
-        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
+    args = (q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats, dq, *descs, flags,
+            *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
+            *dq.stride()[:5],
+            T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], n_tiles, NH, flags.numel(), scale * LOG2_E, scale)
+    constexprs = dict(
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
-        HAS_DLSE=grad_lse is not None, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_DLSE=grad_lse is not None, USE_TMA=use_tma,
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
-                     (T, H, W)),
-        **configs.maxnreg_option(cfg.dq_maxnreg), **common)
+                     (T, H, W)), **common)
+    na3d_bwd_dq_kernel[(n_tiles, NH, B)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                         **configs.maxnreg_option(cfg.dq_maxnreg))
+    na3d_bwd_dq_safe_kernel[safe_grid(flags)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
     use_tma = cfg.tma and tma_layout_ok(q, grad_out)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out]
-    na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
-        statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats,
-        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
-        *dk.stride()[:5], *dv.stride()[:5],
-        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
-        K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
-        Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
+    dkdv_launch(na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, tiles, NH, B, cfg,
+                (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
+                 statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats),
+                (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
+                dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common))
     return dq, dk, dv
+
+
+def dkdv_launch(kernel, safe_kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
+                sizes, scale: float, constexprs: dict) -> None:
+    """The dK/dV kernel on its grid, then its safe kernel (kernels/common.py).
+    ``buffers``: the tensors and descriptors before the flags; ``strided``: the
+    tensors whose strides follow (q, k, v, dO, dK, dV); ``sizes``: the grid and
+    window sizes (T, H, W, KT, KH, KW, ST, SH, SW)."""
+    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    flags = nonfinite_flags(n_tiles * NH * B, strided[0].device)
+    args = (*buffers, flags, *(st for x in strided for st in x.stride()[:5]), *sizes, tiles[1], tiles[2], n_tiles,
+            NH, flags.numel(), scale * LOG2_E, scale)
+    constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
+                      Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
+    kernel[(n_tiles, NH, B)](*args, **constexprs, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+                             **configs.maxnreg_option(cfg.dkdv_maxnreg))
+    safe_kernel[safe_grid(flags)](*args, **constexprs, num_warps=cfg.dkdv_warps, num_stages=1)
 
 
 def statistics_buffer(q: torch.Tensor) -> torch.Tensor:
@@ -272,7 +309,7 @@ def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int]):
 def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg, common):
     """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
-    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
+    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -291,15 +328,10 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     descs = ([tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out])
     descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile) if bulk_dq else dq_acc)
     descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats)
-    na3d_bwd_dkdv_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
-        q, k, v, grad_out, stats, dk, dv, dq_acc, *descs,
-        *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *grad_out.stride()[:5],
-        *dk.stride()[:5], *dv.stride()[:5],
-        T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], scale * LOG2_E, scale,
-        K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
-        Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-        ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg), **common)
+    dkdv_launch(na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, tiles, NH, B, cfg,
+                (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
+                (T, H, W, KT, KH, KW, *stride), scale,
+                dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common))
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

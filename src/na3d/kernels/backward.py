@@ -30,9 +30,10 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, count_nonfinite, finite_part, fixed_mask_bias, has_nonfinite,
-                     load_rows, next_box, queries_seeing, seen_by, sees, step_mask_bias, union_of_windows, window_bits,
-                     window_bounds)
+from .common import (FLAG_BLOCK, MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, count_nonfinite,
+                     finite_part, fixed_mask_bias, has_nonfinite, load_rows, mark_reached_by_keys,
+                     mark_reached_by_queries, next_box, queries_seeing, seen_by, sees, step_mask_bias, step_visible,
+                     union_of_windows, window_bits, window_bounds)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -44,9 +45,9 @@ def stats_index(batch, head, heads, t, h, w, T, H, W):
     return ((((batch.to(tl.int64) * heads + head) * T + t) * H + h) * W + w) * 4
 
 
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
 def na3d_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
+    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, FLAGS,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -56,7 +57,7 @@ def na3d_bwd_dq_kernel(
     T, H, W,
     KT, KH, KW,
     ST, SH, SW,
-    tiles_h, tiles_w,
+    tiles_h, tiles_w, n_tiles, heads, n_programs,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -74,18 +75,94 @@ def na3d_bwd_dq_kernel(
     runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
     picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
-    score scales to -inf).
+    score scales to -inf). ``FLAGS``: as in the forward kernel, for
+    :func:`na3d_bwd_dq_safe_kernel`.
     """
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    tile = tl.program_id(0)
+    nonfinite = dq_tile(tile, head, batch, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
+        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+        stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+        stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
+        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, False)
+    tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
+def na3d_bwd_dq_safe_kernel(
+    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, FLAGS,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
+    T, H, W,
+    KT, KH, KW,
+    ST, SH, SW,
+    tiles_h, tiles_w, n_tiles, heads, n_programs,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+):
+    """Grid: (G,), any G. The programs :func:`na3d_bwd_dq_kernel` flagged, computed
+    again the safe way (``kernels.common``; as :func:`na3d_fwd_safe_kernel`)."""
+    for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+        flags = tl.load(FLAGS + start + tl.arange(0, FLAG_BLOCK), mask=start + tl.arange(0, FLAG_BLOCK) < n_programs,
+                        other=0)
+        if tl.max(flags.to(tl.int32), 0) != 0:
+            for j in range(FLAG_BLOCK):
+                program = start + j
+                if program < n_programs:
+                    if tl.load(FLAGS + program) != 0:
+                        dq_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads),
+                                Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
+        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+        stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+        stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
+        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, True)
+
+
+@triton.jit
+def dq_tile(
+    tile, head, batch,
+    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr,
+):
+    """One dQ program's work (and its statistics, unless ``SAFE``). Returns whether
+    its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
+    reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
+    the marks are laid over it (``kernels.common``)."""
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    heads = tl.num_programs(1)
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
-    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
-                                                     Q_T, Q_H, Q_W)
+    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
     ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
@@ -104,27 +181,34 @@ def na3d_bwd_dq_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
     lse2 = tl.load(LSE + rows) * LOG2_E
-    stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
-    tl.store(stats, lse2, mask=q_valid)
-    tl.store(stats + 1, delta, mask=q_valid)
+    if not SAFE:  # (the safe way would store the same statistics again)
+        stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+        tl.store(stats, lse2, mask=q_valid)
+        tl.store(stats + 1, delta, mask=q_valid)
 
     k_base = K + bh * stride_kb + hd * stride_kn
     v_base = V + bh * stride_vb + hd * stride_vn
-    dq, _ = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
-                    stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                    ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
-                    CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, False)
-    if has_nonfinite(dq):
-        dq, nonfinite = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh,
-                                stride_kw, stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W,
-                                KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM,
-                                BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
-                                MASK_T, MASK_H, MASK_W, True)
-        dq = tl.where(nonfinite > 0, float("nan"), dq)
+    if SAFE:
+        dq_rows = bh * stride_dqb + hd * stride_dqn + pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw
+        mark_reached_by_keys(DQ, dq_rows, q_valid, k_base, stride_kt, stride_kh, stride_kw, qt, qh, qw, T, H, W,
+                             KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, HEAD_DIM, BLOCK_Q,
+                             KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        tl.debug_barrier()  # the marks were stored by other threads of the program
+    dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
+                 stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                 ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
+                 CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
+    if SAFE:
+        marks = tl.load(DQ + dq_rows[:, None] + d[None, :], mask=q_valid[:, None] & d_ok[None, :], other=0.0)
+        dq = tl.where(marks != marks, float("nan"), dq)
 
     dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
                + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+    dq = (dq * scale).to(DQ.dtype.element_ty)
+    tl.store(dq_ptrs, dq, mask=q_valid[:, None] & d_ok[None, :])
+    # Checked as stored: the float32 accumulator is dead by then (a value that
+    # overflows the storage type is flagged too, and merely recomputed).
+    return has_nonfinite(dq)
 
 
 @triton.jit
@@ -136,42 +220,47 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
             CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
             USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
             SAFE: tl.constexpr):
-    """The dQ kernel's scan: ``(dq, nonfinite)``, dQ unscaled and, in the ``SAFE``
-    loop, per element the count of visible non-finite keys it would have combined
-    (``kernels.common``; a dummy in the fast loop). The safe loop masks by
-    selection, ``dS`` too (a non-finite ``dP`` of a hidden key stays out), and
-    multiplies ``dS`` by the keys' finite part."""
+    """The dQ kernel's scan: dQ unscaled. ``SAFE``: the safe loop
+    (``kernels.common``): masks by selection (window bits where they fit), ``dS``
+    too (a non-finite ``dP`` of a hidden key stays out), and multiplies ``dS`` by
+    the keys' finite part; not pipelined."""
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     steps_h = tl.cdiv(uh1 - uh0, KV_H)
     steps_w = tl.cdiv(uw1 - uw0, KV_W)
     n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    if SAFE:
-        nonfinite = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    else:
-        nonfinite = tl.zeros([1, 1], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE
-    if ON_PRODUCT:
+    # As in the forward's safe loop: bits where they fit (a fixed axis' union fits its box).
+    SAFE_T: tl.constexpr = MASK_BITS if MASK_T == MASK_BITS or (MASK_T == MASK_FIXED and KV_T <= 31) else MASK_PER_STEP
+    SAFE_H: tl.constexpr = MASK_BITS if MASK_H == MASK_BITS or (MASK_H == MASK_FIXED and KV_H <= 31) else MASK_PER_STEP
+    SAFE_W: tl.constexpr = MASK_BITS if MASK_W == MASK_BITS or (MASK_W == MASK_FIXED and KV_W <= 31) else MASK_PER_STEP
+    SAFE_BITS: tl.constexpr = SAFE and (MASK_T + MASK_H + MASK_W > 0)
+    if ON_PRODUCT or SAFE_BITS:
         st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
         sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
         sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
+    if ON_PRODUCT:
         fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
                                      MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV)
         bits_t = window_bits(st, et, ut0, MASK_T)
         bits_h = window_bits(sh, eh, uh0, MASK_H)
         bits_w = window_bits(sw, ew, uw0, MASK_W)
+    if SAFE_BITS:
+        bits_t = window_bits(st, et, ut0, SAFE_T)
+        bits_h = window_bits(sh, eh, uh0, SAFE_H)
+        bits_w = window_bits(sw, ew, uw0, SAFE_W)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
-    for _ in range(n_steps):
+    for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
         c_t = ut0 + i_t * KV_T
         c_h = uh0 + i_h * KV_H
         c_w = uw0 + i_w * KV_W
         kt = c_t + off_t
         kh = c_h + off_h
         kw = c_w + off_w
-        if USE_TMA:
+        if USE_TMA and not SAFE:
             k = K_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
             v = V_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
@@ -188,24 +277,28 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         else:
-            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            if SAFE_BITS:
+                visible = step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bits_t >> (i_t * KV_T),
+                                       bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W), off_t, off_h, off_w,
+                                       SAFE_T, SAFE_H, SAFE_W, BLOCK_Q, BLOCK_KV)
+            else:
+                visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
         if SAFE:
             ds = tl.where(visible, ds, 0.0)
-            k, k_ok = finite_part(k)
-            nonfinite = count_nonfinite(visible, k_ok, nonfinite)
+            k, _ = finite_part(k)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-    return dq, nonfinite
+    return dq
 
 
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
 def na3d_bwd_dkdv_kernel(
-    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, FLAGS,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -215,7 +308,7 @@ def na3d_bwd_dkdv_kernel(
     T, H, W,
     KT, KH, KW,
     ST, SH, SW,
-    tiles_h, tiles_w,
+    tiles_h, tiles_w, n_tiles, heads, n_programs,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -242,18 +335,95 @@ def na3d_bwd_dkdv_kernel(
     (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
     through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
     box) instead of an atomic per element; rows of queries outside the scanned
-    range add exact zeros (their ``dS`` is masked to 0).
+    range add exact zeros (their ``dS`` is masked to 0). ``FLAGS``: as in the
+    forward kernel, for :func:`na3d_bwd_dkdv_safe_kernel` (which adds no dQ terms).
     """
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    tile = tl.program_id(0)
+    nonfinite = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
+                          STATS_DESC,
+        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh, stride_dow,
+        stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+        stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D,
+        K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False)
+    tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
+def na3d_bwd_dkdv_safe_kernel(
+    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, FLAGS,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+    T, H, W,
+    KT, KH, KW,
+    ST, SH, SW,
+    tiles_h, tiles_w, n_tiles, heads, n_programs,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BULK_DQ: tl.constexpr,
+):
+    """Grid: (G,), any G. The programs :func:`na3d_bwd_dkdv_kernel` flagged,
+    computed again the safe way (``kernels.common``; as :func:`na3d_fwd_safe_kernel`),
+    dK and dV only: whatever ``ACCUMULATE_DQ`` says, no dQ terms are added again
+    (the fused kernel adds them the safe way on every step)."""
+    for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+        flags = tl.load(FLAGS + start + tl.arange(0, FLAG_BLOCK), mask=start + tl.arange(0, FLAG_BLOCK) < n_programs,
+                        other=0)
+        if tl.max(flags.to(tl.int32), 0) != 0:
+            for j in range(FLAG_BLOCK):
+                program = start + j
+                if program < n_programs:
+                    if tl.load(FLAGS + program) != 0:
+                        dkdv_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads),
+                                  Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh, stride_dow,
+        stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+        stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D,
+        K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
+                                  False, False, True)
+
+
+@triton.jit
+def dkdv_tile(
+    tile, head, batch,
+    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
+    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr,
+):
+    """One dK/dV program's work. Returns whether its dK or dV holds an inf or NaN.
+    ``SAFE``: the safe way (``kernels.common``)."""
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    heads = tl.num_programs(1)
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored dK/dV row depends on them (dQ would: see below).
-    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
-                                                     K_T, K_H, K_W)
+    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W)
     qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
@@ -268,45 +438,42 @@ def na3d_bwd_dkdv_kernel(
     q_base = Q + bh * stride_qb + hd * stride_qn
     do_base = DO + bh * stride_dob + hd * stride_don
 
-    dk, dv, _ = dkdv_scan(
+    if SAFE:
+        # dV elements a visible non-finite dO row reaches, and dK elements a
+        # visible non-finite query reaches, are first marked NaN in DV and DK.
+        dk_rows = bh * stride_dkb + hd * stride_dkn + pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw
+        dv_rows = bh * stride_dvb + hd * stride_dvn + pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw
+        mark_reached_by_queries(DV, dv_rows, k_valid, do_base, stride_dot, stride_doh, stride_dow, kt, kh, kw,
+                                T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N,
+                                Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        mark_reached_by_queries(DK, dk_rows, k_valid, q_base, stride_qt, stride_qh, stride_qw, kt, kh, kw,
+                                T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N,
+                                Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        tl.debug_barrier()  # the marks were stored by other threads of the program
+    dk, dv = dkdv_scan(
         k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
         stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
         kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
         HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ACCUMULATE_DQ, USE_TMA,
-        BULK_DQ, BOTH_GRADIENTS)
-    if has_nonfinite(dk + dv):
-        # Recomputed one gradient at a time: each safe loop then holds as many
-        # accumulators as the fast one (it counts non-finite operands beside its
-        # gradient), so it does not raise the kernel's register use.
-        _, dv, nonfinite = dkdv_scan(
-            k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-            stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
-            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, False, USE_TMA,
-            False, SAFE_DV)
-        dv = tl.where(nonfinite > 0, float("nan"), dv)
-        dk, _, nonfinite = dkdv_scan(
-            k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-            stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
-            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, False, USE_TMA,
-            False, SAFE_DK)
-        dk = tl.where(nonfinite > 0, float("nan"), dk)
+        BULK_DQ, SAFE)
+    if SAFE:
+        in_tile = k_valid[:, None] & d_ok[None, :]
+        marks = tl.load(DV + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        dv = tl.where(marks != marks, float("nan"), dv)
+        marks = tl.load(DK + dk_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        dk = tl.where(marks != marks, float("nan"), dk)
 
     store = k_valid[:, None] & d_ok[None, :]
     dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
                + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
     dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
                + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=store)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)
-
-
-# What a dK/dV scan computes: both gradients (the fast loop), or one of them in the
-# safe loop (``kernels.common``).
-BOTH_GRADIENTS = tl.constexpr(0)
-SAFE_DV = tl.constexpr(1)
-SAFE_DK = tl.constexpr(2)
+    dk = (dk * scale).to(DK.dtype.element_ty)
+    dv = dv.to(DV.dtype.element_ty)
+    tl.store(dk_ptrs, dk, mask=store)
+    tl.store(dv_ptrs, dv, mask=store)
+    # Checked as stored (see dq_tile).
+    return has_nonfinite(dk) | has_nonfinite(dv)
 
 
 @triton.jit
@@ -316,13 +483,11 @@ def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
               CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, WHAT: tl.constexpr):
+              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr):
     """The dK/dV kernel's scan over the query boxes that see its keys:
-    ``(dk, dv, nonfinite)``, dK unscaled. ``WHAT``: ``BOTH_GRADIENTS`` (the fast
-    loop; ``nonfinite`` a dummy), or ``SAFE_DV`` / ``SAFE_DK``: one gradient by the
-    safe loop (the other a dummy), masked by selection and multiplied by the
-    finite part of dO (for dV) or Q (for dK), with per element the count of
-    visible non-finite operands it would have combined.
+    ``(dk, dv)``, dK unscaled. ``SAFE``: the safe loop (``kernels.common``):
+    ``dS`` masked by selection, the products by the finite parts of dO (for dV)
+    and Q (for dK); not pipelined.
 
     With ``ACCUMULATE_DQ`` (the fused backward, fast loop only) each step's dQ
     terms go out at once and cannot be taken back, so they are computed the safe
@@ -330,22 +495,11 @@ def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ
     finite part, with NaN where a visible key is non-finite (the count only runs
     when the program's keys hold a non-finite element)."""
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
-    SAFE: tl.constexpr = WHAT != BOTH_GRADIENTS
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
-    if WHAT != SAFE_DV:
-        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    else:
-        dk = tl.zeros([1, 1], tl.float32)
-    if WHAT != SAFE_DK:
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    else:
-        dv = tl.zeros([1, 1], tl.float32)
-    if SAFE:
-        nonfinite = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    else:
-        nonfinite = tl.zeros([1, 1], tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if ACCUMULATE_DQ:
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)
@@ -353,14 +507,14 @@ def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
-    for _ in range(n_steps):
+    for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
         c_t = qt0 + i_t * Q_T
         c_h = qh0 + i_h * Q_H
         c_w = qw0 + i_w * Q_W
         qt = c_t + off_t
         qh = c_h + off_h
         qw = c_w + off_w
-        if USE_TMA:
+        if USE_TMA and not SAFE:
             # Every query box through descriptors. Positions past the scanned range
             # inside the grid see none of the box's keys (the mask drops them); past
             # the grid, q, dO, lse and delta read zeros, so whatever the mask says
@@ -397,37 +551,32 @@ def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ
             visible = visible & k_valid[:, None]
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        if WHAT == SAFE_DV:
-            do_finite, do_ok = finite_part(do)
-            nonfinite = count_nonfinite(visible, do_ok, nonfinite)
-            dv = tl.dot(p_t.to(do.dtype), do_finite, dv, input_precision="ieee")
-        elif WHAT == BOTH_GRADIENTS:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-        if WHAT != SAFE_DV:
-            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-            ds_t = p_t * (dp_t - delta[None, :])
-            if SAFE or ACCUMULATE_DQ:
-                ds_t = tl.where(visible, ds_t, 0.0)
-            if SAFE:
-                q_finite, q_ok = finite_part(q)
-                nonfinite = count_nonfinite(visible, q_ok, nonfinite)
-                dk = tl.dot(ds_t.to(q.dtype), q_finite, dk, input_precision="ieee")
+        if SAFE:
+            do_operand, _ = finite_part(do)
+            q_operand, _ = finite_part(q)
+        else:
+            do_operand = do
+            q_operand = q
+        dv = tl.dot(p_t.to(do.dtype), do_operand, dv, input_precision="ieee")
+        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SAFE or ACCUMULATE_DQ:
+            ds_t = tl.where(visible, ds_t, 0.0)
+        dk = tl.dot(ds_t.to(q.dtype), q_operand, dk, input_precision="ieee")
+        if ACCUMULATE_DQ:
+            dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k_finite, input_precision="ieee")
+            if k_has_nonfinite:
+                dq_part = tl.where(count_nonfinite(tl.trans(visible), k_ok,
+                                                   tl.zeros([BLOCK_M, BLOCK_D], tl.float32)) > 0,
+                                   float("nan"), dq_part)
+            if BULK_DQ:
+                DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D],
+                                   dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
             else:
-                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
-            if ACCUMULATE_DQ:
-                dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k_finite, input_precision="ieee")
-                if k_has_nonfinite:
-                    dq_part = tl.where(count_nonfinite(tl.trans(visible), k_ok,
-                                                       tl.zeros([BLOCK_M, BLOCK_D], tl.float32)) > 0,
-                                       float("nan"), dq_part)
-                if BULK_DQ:
-                    DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D],
-                                       dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
-                else:
-                    tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
-                                  mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
+                tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
+                              mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-    return dk, dv, nonfinite
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])

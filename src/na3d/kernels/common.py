@@ -180,12 +180,24 @@ def step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, o
     (``off_*``: the keys' offsets in the scanned box); per-step compares elsewhere."""
     if MODE_T == MASK_FIXED and MODE_H == MASK_FIXED and MODE_W == MASK_FIXED:
         return fixed_bias
-    ok = tl.full(fixed_bias.shape, 1, tl.int1)
+    ok = step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, off_t, off_h, off_w,
+                      MODE_T, MODE_H, MODE_W, fixed_bias.shape[0], fixed_bias.shape[1])
+    return tl.where(ok, fixed_bias, MASKED)
+
+
+@triton.jit
+def step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, off_t, off_h, off_w,
+                 MODE_T: tl.constexpr, MODE_H: tl.constexpr, MODE_W: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Boolean [queries, keys]: this step's keys lie in the query windows along the
+    ``MASK_BITS`` and ``MASK_PER_STEP`` axes (``MASK_FIXED`` axes not tested); see
+    :func:`step_mask_bias`."""
+    ok = tl.full([ROWS, COLS], 1, tl.int1)
     # One word of the bit-masked axes' shifted windows, then one test. Testing each
     # axis' bit on its own compiles to fewer instructions where all three axes use
-    # bits, but ran edge-wide's forward 19 % slower (more registers; NOTES v16).
+    # bits, but takes more registers.
     if MODE_T == MASK_BITS or MODE_H == MASK_BITS or MODE_W == MASK_BITS:
-        bits = tl.full(fixed_bias.shape, 1, tl.int32)
+        bits = tl.full([ROWS, COLS], 1, tl.int32)
         if MODE_T == MASK_BITS:
             bits &= bt[:, None] >> off_t[None, :]
         if MODE_H == MASK_BITS:
@@ -193,8 +205,7 @@ def step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, o
         if MODE_W == MASK_BITS:
             bits &= bw[:, None] >> off_w[None, :]
         ok &= bits != 0
-    ok = axes_in_window(ok, kt, kh, kw, st, et, sh, eh, sw, ew, MODE_T, MODE_H, MODE_W, MASK_PER_STEP)
-    return tl.where(ok, fixed_bias, MASKED)
+    return axes_in_window(ok, kt, kh, kw, st, et, sh, eh, sw, ew, MODE_T, MODE_H, MODE_W, MASK_PER_STEP)
 
 
 @triton.jit
@@ -234,14 +245,27 @@ def load_rows(base, pos_t, pos_h, pos_w, stride_t, stride_h, stride_w, d, d_ok):
 # Non-finite inputs. A kernel's products combine every key of a box with every
 # query of a box, so an inf or NaN in one key, value or query would reach, through
 # a zero product (0 * inf = NaN) or the additive mask (NaN - inf = NaN), queries
-# whose windows do not hold it. The kernels therefore run their loop as fast as
-# ever and check their results once per program: a tile that came out with a
-# non-finite element is computed again with ``SAFE`` loops, which mask scores by
-# selection, feed the products only finite operands (non-finite elements zeroed),
-# and count per result element the visible non-finite operands it should have
-# combined. Where the count is non-zero the result is NaN; elsewhere it is what a
-# zeroed input would have given, bit for bit (the safe loop does the same
-# arithmetic in the same order on finite data).
+# whose windows do not hold it. The kernels therefore run their loops as fast as
+# ever and check their results once per program (one add per element), flagging
+# a program whose results hold an inf or NaN. A second, small kernel then reads
+# the flags (one load per few hundred programs when none is set) and computes the
+# flagged programs again, the safe way. A counting scan first marks NaN, in the
+# result tile in memory, every element that a visible non-finite operand of the
+# final product reaches (a value for the output, a key for dQ, a query for dK, a
+# gradient row dO for dV); then the ``SAFE`` loop masks scores by selection and
+# feeds that product only the finite part of its operand (non-finite elements
+# zeroed), and the marks are laid over its result. Elsewhere the result is what
+# a zeroed input would have given, bit for bit: on finite data the safe loop does
+# the fast loop's arithmetic, tile for tile, in the same order. Non-finite scores
+# propagate as IEEE arithmetic makes them (a NaN or +inf visible score makes its
+# row NaN; a -inf one weighs 0). The safe code lives in kernels of its own so that
+# it costs the fast kernels no registers (ptxas sizes registers, and decides
+# whether Hopper's products may overlap, for a whole kernel at once).
+
+# Flags a safe kernel's program reads at once.
+FLAG_BLOCK = tl.constexpr(256)
+# Channels per pass of the counting scans (their count accumulators stay small).
+CHANNELS = tl.constexpr(16)
 
 
 @triton.jit
@@ -267,3 +291,88 @@ def count_nonfinite(visible, ok, count):
     operands along the reduced axis are non-finite: ``visible @ (~ok)`` on the
     tensor cores (0/1 values, exact)."""
     return tl.dot(visible.to(tl.float16), tl.where(ok, 0.0, 1.0).to(tl.float16), count, input_precision="ieee")
+
+
+@triton.jit
+def mark_reached_by_keys(OUT, out_rows, q_valid, src_base, stride_t, stride_h, stride_w, qt, qh, qw, T, H, W,
+                         KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1,
+                         HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                         KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+                         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+                         STRIDED: tl.constexpr):
+    """For a program over a box of queries (the forward, dQ) whose final product
+    takes one row of ``src`` per key (V, K): store into its result tile in memory
+    (``OUT`` at row offsets ``out_rows``) NaN where a non-finite element of a
+    visible key's row reaches the element, 0 elsewhere. The program's scan over
+    its union of windows, counting only, ``CHANNELS`` at a time so that it holds
+    little, through pointers."""
+    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
+    steps_h = tl.cdiv(uh1 - uh0, KV_H)
+    steps_w = tl.cdiv(uw1 - uw0, KV_W)
+    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
+    off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
+    for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
+        cols = c0 + tl.arange(0, CHANNELS)
+        count = tl.zeros([BLOCK_Q, CHANNELS], tl.float32)
+        i_t = tl.zeros([], tl.int32)
+        i_h = tl.zeros([], tl.int32)
+        i_w = tl.zeros([], tl.int32)
+        for _ in tl.range(n_steps, num_stages=1):
+            kt = ut0 + i_t * KV_T + off_t
+            kh = uh0 + i_h * KV_H + off_h
+            kw = uw0 + i_w * KV_W + off_w
+            offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_t
+                    + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_h
+                    + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_w)
+            rows = tl.load(src_base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
+            _, ok = finite_part(rows)
+            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            count = count_nonfinite(visible, ok, count)
+            i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+        tl.store(OUT + out_rows[:, None] + cols[None, :],
+                 tl.where(count > 0, float("nan"), 0.0).to(OUT.dtype.element_ty),
+                 mask=q_valid[:, None] & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_t, stride_h, stride_w, kt, kh, kw, T, H, W,
+                            KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1,
+                            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                            Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+                            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+                            STRIDED: tl.constexpr):
+    """:func:`mark_reached_by_keys` for a program over a box of keys (dK/dV) whose
+    final product takes one row of ``src`` per query (Q for dK, dO for dV): its
+    scan over the queries ``[q0, q1)`` per axis that see its keys."""
+    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    steps_h = tl.cdiv(qh1 - qh0, Q_H)
+    steps_w = tl.cdiv(qw1 - qw0, Q_W)
+    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
+    off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
+    for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
+        cols = c0 + tl.arange(0, CHANNELS)
+        count = tl.zeros([BLOCK_N, CHANNELS], tl.float32)
+        i_t = tl.zeros([], tl.int32)
+        i_h = tl.zeros([], tl.int32)
+        i_w = tl.zeros([], tl.int32)
+        for _ in tl.range(n_steps, num_stages=1):
+            qt = qt0 + i_t * Q_T + off_t
+            qh = qh0 + i_h * Q_H + off_h
+            qw = qw0 + i_w * Q_W + off_w
+            # Queries past the range (neighbours, or repeats of its last one) are
+            # left out: a duplicate would count twice.
+            q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+            qt = tl.minimum(qt, qt1 - 1)
+            qh = tl.minimum(qh, qh1 - 1)
+            qw = tl.minimum(qw, qw1 - 1)
+            offs = qt.to(tl.int64) * stride_t + qh.to(tl.int64) * stride_h + qw.to(tl.int64) * stride_w
+            rows = tl.load(src_base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
+            _, ok = finite_part(rows)
+            visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                              CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            count = count_nonfinite(visible, ok, count)
+            i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+        tl.store(OUT + out_rows[:, None] + cols[None, :],
+                 tl.where(count > 0, float("nan"), 0.0).to(OUT.dtype.element_ty),
+                 mask=k_valid[:, None] & (cols[None, :] < HEAD_DIM))

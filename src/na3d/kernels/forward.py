@@ -7,13 +7,14 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, count_nonfinite, finite_part, fixed_mask_bias, has_nonfinite,
-                     next_box, sees, step_mask_bias, union_of_windows, window_bits, window_bounds)
+from .common import (FLAG_BLOCK, MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, finite_part,
+                     fixed_mask_bias, has_nonfinite, mark_reached_by_keys, next_box, sees, step_mask_bias,
+                     step_visible, union_of_windows, window_bits, window_bounds)
 
 
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
 def na3d_fwd_kernel(
-    Q, K, V, O, LSE, K_DESC, V_DESC,
+    Q, K, V, O, LSE, K_DESC, V_DESC, FLAGS,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
@@ -21,7 +22,7 @@ def na3d_fwd_kernel(
     T, H, W,
     KT, KH, KW,
     ST, SH, SW,
-    tiles_h, tiles_w,
+    tiles_h, tiles_w, n_tiles, heads, n_programs,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -60,17 +61,90 @@ def na3d_fwd_kernel(
     step, ``MASK_PER_STEP`` ones by comparing positions. With no ``MASK_FIXED`` axis
     (or a zero scale) the kernel masks the scores after the product instead.
 
-    Non-finite inputs (``kernels.common``): the tile is computed by the fast loop;
-    if its output has an inf or NaN, it is computed again by the safe loop, whose
-    outputs are NaN exactly where a visible non-finite input reaches them.
+    ``FLAGS``: int8 per program (``tile + n_tiles * (head + heads * batch)``), set to
+    1 where the program's output holds an inf or NaN (``kernels.common``: the
+    launcher then runs :func:`na3d_fwd_safe_kernel`, which computes those tiles
+    again the safe way), 0 elsewhere.
     """
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    tile = tl.program_id(0)
+    nonfinite = forward_tile(tile, head, batch, Q, K, V, O, LSE, K_DESC, V_DESC,
+        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, False)
+    tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
+def na3d_fwd_safe_kernel(
+    Q, K, V, O, LSE, K_DESC, V_DESC, FLAGS,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    T, H, W,
+    KT, KH, KW,
+    ST, SH, SW,
+    tiles_h, tiles_w, n_tiles, heads, n_programs,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+    STRIDED: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    SCALE_SIGN: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+):
+    """Grid: (G,), any G. The programs :func:`na3d_fwd_kernel` flagged (``FLAGS``),
+    computed again the safe way (``kernels.common``), each by one of the G
+    programs in turn. Where no flag is set (finite inputs), each program reads
+    its share of the flags and ends."""
+    for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+        flags = tl.load(FLAGS + start + tl.arange(0, FLAG_BLOCK), mask=start + tl.arange(0, FLAG_BLOCK) < n_programs,
+                        other=0)
+        if tl.max(flags.to(tl.int32), 0) != 0:
+            for j in range(FLAG_BLOCK):
+                program = start + j
+                if program < n_programs:
+                    if tl.load(FLAGS + program) != 0:
+                        forward_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads),
+                                     Q, K, V, O, LSE, K_DESC, V_DESC,
+        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, True)
+
+
+@triton.jit
+def forward_tile(
+    tile, head, batch,
+    Q, K, V, O, LSE, K_DESC, V_DESC,
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+    STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr,
+):
+    """One program's work: the output (and lse) of one box of queries of one
+    (batch, head). Returns whether the output holds an inf or NaN. ``SAFE``: the
+    safe way (``kernels.common``): the outputs a visible non-finite value reaches
+    are first marked NaN in O, the tile is computed by the safe loop, and the
+    marks are laid over it."""
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W,
-                                                     Q_T, Q_H, Q_W)
+    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
 
     # The windows of the box's queries span one box of keys, [u0, u1) per axis
     # (window ends never decrease with the query index).
@@ -87,29 +161,37 @@ def na3d_fwd_kernel(
     k_base = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kn
     v_base = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vn
 
-    acc, m_i, l_i, _ = forward_scan(
+    if SAFE:
+        o_rows = (batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on + qt.to(tl.int64) * stride_ot
+                  + qh.to(tl.int64) * stride_oh + qw.to(tl.int64) * stride_ow)
+        mark_reached_by_keys(
+            O, o_rows, q_valid, v_base, stride_vt, stride_vh, stride_vw, qt, qh, qw, T, H, W, KT, KH, KW,
+            ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, HEAD_DIM, BLOCK_Q, KV_T, KV_H, KV_W,
+            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        tl.debug_barrier()  # the marks were stored by other threads of the program
+    acc, m_i, l_i = forward_scan(
         q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
         batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
         HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN, USE_TMA,
-        MASK_T, MASK_H, MASK_W, False)
+        MASK_T, MASK_H, MASK_W, SAFE)
     out = acc / l_i[:, None]
-    if has_nonfinite(out):
-        acc, m_i, l_i, nonfinite = forward_scan(
-            q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
-            batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d,
-            d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN,
-            USE_TMA, MASK_T, MASK_H, MASK_W, True)
-        out = tl.where(nonfinite > 0, float("nan"), acc / l_i[:, None])
+    if SAFE:
+        marks = tl.load(O + o_rows[:, None] + d[None, :], mask=q_valid[:, None] & d_ok[None, :], other=0.0)
+        out = tl.where(marks != marks, float("nan"), out)
 
     o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on
               + (qt.to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
                  + qw.to(tl.int64) * stride_ow)[:, None] + d[None, :])
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+    out = out.to(O.dtype.element_ty)
+    tl.store(o_ptrs, out, mask=q_valid[:, None] & d_ok[None, :])
     if STORE_LSE:
-        heads = tl.num_programs(1)
         lse_rows = (((batch.to(tl.int64) * T + qt) * H + qh) * W + qw) * heads + head
         # m_i is in log2 units of the scaled scores; convert to natural log.
         tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
+    # Checked as stored: the float32 accumulator is dead by then (a value that
+    # overflows the storage type is flagged too, and merely recomputed). A NaN
+    # lse comes with a NaN output row.
+    return has_nonfinite(out)
 
 
 @triton.jit
@@ -121,10 +203,10 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
                  CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
                  SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
                  MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr):
-    """The scan of one program's union of windows: ``(acc, m, l, nonfinite)``, the
-    unnormalized output, row maximum and sum (log2 domain) and, in the ``SAFE``
-    loop, per output element the count of visible non-finite values it would
-    have combined (``kernels.common``); the fast loop returns a dummy there."""
+    """The scan of one program's union of windows: ``(acc, m, l)``, the
+    unnormalized output, row maximum and sum (log2 domain).
+    ``SAFE``: the safe loop (``kernels.common``): masks by selection, multiplies by
+    the values' finite part; not pipelined, so that it adds no shared memory."""
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     steps_h = tl.cdiv(uh1 - uh0, KV_H)
     steps_w = tl.cdiv(uw1 - uw0, KV_W)
@@ -132,10 +214,6 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    if SAFE:
-        nonfinite = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    else:
-        nonfinite = tl.zeros([1, 1], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     # Scores the mask drops: -inf, or +inf when the scale is negative (the row
     # "maximum" is then taken as a minimum of the raw scores, see below).
@@ -143,26 +221,38 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
     # (A zero scale has no scores to add the bias to: it keeps the plain mask; so
     # does the safe loop, which must select, not add, the mask.)
     ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0 and not SAFE
-    if ON_PRODUCT:
+    # The safe loop selects; its axes use window bits where they fit, which hold
+    # fewer registers than the fast loop's fixed part of the mask.
+    # (A fixed axis' union fits its key box, so its bits fit when the box does.)
+    SAFE_T: tl.constexpr = MASK_BITS if MASK_T == MASK_BITS or (MASK_T == MASK_FIXED and KV_T <= 31) else MASK_PER_STEP
+    SAFE_H: tl.constexpr = MASK_BITS if MASK_H == MASK_BITS or (MASK_H == MASK_FIXED and KV_H <= 31) else MASK_PER_STEP
+    SAFE_W: tl.constexpr = MASK_BITS if MASK_W == MASK_BITS or (MASK_W == MASK_FIXED and KV_W <= 31) else MASK_PER_STEP
+    SAFE_BITS: tl.constexpr = SAFE and (MASK_T + MASK_H + MASK_W > 0)
+    if ON_PRODUCT or SAFE_BITS:
         st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
         sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
         sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
+    if ON_PRODUCT:
         fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
                                      MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV, MASKED)
         bits_t = window_bits(st, et, ut0, MASK_T)
         bits_h = window_bits(sh, eh, uh0, MASK_H)
         bits_w = window_bits(sw, ew, uw0, MASK_W)
+    if SAFE_BITS:
+        bits_t = window_bits(st, et, ut0, SAFE_T)
+        bits_h = window_bits(sh, eh, uh0, SAFE_H)
+        bits_w = window_bits(sw, ew, uw0, SAFE_W)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
-    for _ in range(n_steps):
+    for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
         c_t = ut0 + i_t * KV_T
         c_h = uh0 + i_h * KV_H
         c_w = uw0 + i_w * KV_W
         kt = c_t + off_t
         kh = c_h + off_h
         kw = c_w + off_w
-        if USE_TMA:
+        if USE_TMA and not SAFE:
             k = K_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
             # Keys past the union (last step along an axis) load a repeat of its last
@@ -178,8 +268,13 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            if SAFE_BITS:
+                visible = step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bits_t >> (i_t * KV_T),
+                                       bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W), off_t, off_h, off_w,
+                                       SAFE_T, SAFE_H, SAFE_W, BLOCK_Q, BLOCK_KV)
+            else:
+                visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         # The row maximum of the scaled scores is taken on the raw ones (the scale's
         # sign picks max or min), so that scaling and subtracting it fuse into one
         # FMA per score.
@@ -204,7 +299,7 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
         else:
             p = tl.math.exp2(s * qk_scale - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA:
+        if USE_TMA and not SAFE:
             v = V_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
             offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_vt
@@ -212,10 +307,9 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
                     + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_vw)
             v = tl.load(v_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         if SAFE:
-            v, v_ok = finite_part(v)
-            nonfinite = count_nonfinite(visible, v_ok, nonfinite)
+            v, _ = finite_part(v)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-    return acc, m_i, l_i, nonfinite
+    return acc, m_i, l_i
