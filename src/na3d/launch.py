@@ -49,11 +49,15 @@ def na3d_forward(
     config: Optional[configs.ForwardConfig] = None,
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
+    check_nonfinite: bool = True,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the forward kernel on validated ``(B, T, H, W, NH, HD)`` inputs.
 
     ``is_causal`` (per axis T, H, W) selects causal windows along that axis;
-    ``stride`` NATTEN's window-sharing stride per axis.
+    ``stride`` NATTEN's window-sharing stride per axis. ``check_nonfinite``: the
+    kernel checks its tiles and a second kernel recomputes those with an inf or
+    NaN so that it stays inside its windows (kernels/common.py); False skips both
+    (inputs known to be finite).
 
     ``out`` (optional, any strides with innermost stride 1) receives the result; the
     tests pass a NaN-filled one so that an element the kernel never writes shows.
@@ -87,11 +91,13 @@ def na3d_forward(
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)))
-    na3d_fwd_kernel[(n_tiles, NH, B)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                      **configs.maxnreg_option(cfg.maxnreg))
-    # Tiles whose output holds an inf or NaN, again the safe way (kernels/common.py);
-    # same warps, so that its products are the fast kernel's, tile for tile.
-    na3d_fwd_safe_kernel[safe_grid(flags)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
+    na3d_fwd_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, num_warps=cfg.num_warps,
+                                      num_stages=cfg.num_stages, **configs.maxnreg_option(cfg.maxnreg))
+    if check_nonfinite:
+        # Tiles whose output holds an inf or NaN, again the safe way (kernels/common.py);
+        # same warps, so that its products are the fast kernel's, tile for tile.
+        na3d_fwd_safe_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, num_warps=cfg.num_warps,
+                                               num_stages=1)
     return out, lse
 
 
@@ -203,6 +209,7 @@ def na3d_backward(
     config: Optional[configs.BackwardConfig] = None,
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
+    check_nonfinite: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the forward's ``out`` and natural-log ``lse`` (float32, contiguous).
 
@@ -215,7 +222,7 @@ def na3d_backward(
     and ``delta = rowsum(dO * O) - dlse``, then dK/dV); or fused, the statistics
     then one pass that adds dQ atomically into a float32 buffer. Under
     ``torch.use_deterministic_algorithms(True)`` the deterministic kernels run
-    whatever the config says.
+    whatever the config says. ``check_nonfinite``: as in :func:`na3d_forward`.
     """
     from .kernels.backward import (na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, na3d_bwd_dq_kernel,
                                    na3d_bwd_dq_safe_kernel)
@@ -240,7 +247,7 @@ def na3d_backward(
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
         _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg,
-                        common)
+                        common, check_nonfinite)
         return dq, dk, dv
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     n_tiles = tiles[0] * tiles[1] * tiles[2]
@@ -258,9 +265,11 @@ def na3d_backward(
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
                      (T, H, W)), **common)
-    na3d_bwd_dq_kernel[(n_tiles, NH, B)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                         **configs.maxnreg_option(cfg.dq_maxnreg))
-    na3d_bwd_dq_safe_kernel[safe_grid(flags)](*args, **constexprs, num_warps=cfg.num_warps, num_stages=1)
+    na3d_bwd_dq_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, num_warps=cfg.num_warps,
+                                         num_stages=cfg.num_stages, **configs.maxnreg_option(cfg.dq_maxnreg))
+    if check_nonfinite:
+        na3d_bwd_dq_safe_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, num_warps=cfg.num_warps,
+                                                  num_stages=1)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
     use_tma = cfg.tma and tma_layout_ok(q, grad_out)
@@ -269,12 +278,12 @@ def na3d_backward(
                 (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
                  statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats),
                 (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
-                dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common))
+                dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common), check_nonfinite)
     return dq, dk, dv
 
 
 def dkdv_launch(kernel, safe_kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
-                sizes, scale: float, constexprs: dict) -> None:
+                sizes, scale: float, constexprs: dict, check_nonfinite: bool) -> None:
     """The dK/dV kernel on its grid, then its safe kernel (kernels/common.py).
     ``buffers``: the tensors and descriptors before the flags; ``strided``: the
     tensors whose strides follow (q, k, v, dO, dK, dV); ``sizes``: the grid and
@@ -285,9 +294,10 @@ def dkdv_launch(kernel, safe_kernel, tiles, NH: int, B: int, cfg: configs.Backwa
             NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
-    kernel[(n_tiles, NH, B)](*args, **constexprs, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-                             **configs.maxnreg_option(cfg.dkdv_maxnreg))
-    safe_kernel[safe_grid(flags)](*args, **constexprs, num_warps=cfg.dkdv_warps, num_stages=1)
+    kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, num_warps=cfg.dkdv_warps,
+                             num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg))
+    if check_nonfinite:
+        safe_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, num_warps=cfg.dkdv_warps, num_stages=1)
 
 
 def statistics_buffer(q: torch.Tensor) -> torch.Tensor:
@@ -306,7 +316,8 @@ def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int]):
     return TensorDescriptor(stats, [B * NH, T, H, W, 4], [T * H * W * 4, H * W * 4, W * 4, 4, 1], [1, *q_box, 4])
 
 
-def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg, common):
+def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg, common,
+                    check_nonfinite):
     """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
     from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel
@@ -331,7 +342,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     dkdv_launch(na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, tiles, NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
                 (T, H, W, KT, KH, KW, *stride), scale,
-                dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common))
+                dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), check_nonfinite)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

@@ -68,6 +68,7 @@ def na3d_bwd_dq_kernel(
     HAS_DLSE: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
@@ -87,8 +88,9 @@ def na3d_bwd_dq_kernel(
         stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
         stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
         T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, False)
-    tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, False, CHECK)
+    if CHECK:
+        tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -114,6 +116,7 @@ def na3d_bwd_dq_safe_kernel(
     HAS_DLSE: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid: (G,), any G. The programs :func:`na3d_bwd_dq_kernel` flagged, computed
     again the safe way (``kernels.common``; as :func:`na3d_fwd_safe_kernel`)."""
@@ -132,7 +135,7 @@ def na3d_bwd_dq_safe_kernel(
         stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
         stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
         T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, True)
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, True, False)
 
 
 @triton.jit
@@ -151,7 +154,7 @@ def dq_tile(
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``). Returns whether
     its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
@@ -204,11 +207,12 @@ def dq_tile(
 
     dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
                + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
-    dq = (dq * scale).to(DQ.dtype.element_ty)
-    tl.store(dq_ptrs, dq, mask=q_valid[:, None] & d_ok[None, :])
-    # Checked as stored: the float32 accumulator is dead by then (a value that
-    # overflows the storage type is flagged too, and merely recomputed).
-    return has_nonfinite(dq)
+    if CHECK:
+        nonfinite = has_nonfinite(dq)
+    else:
+        nonfinite = tl.zeros([], tl.int1)
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+    return nonfinite
 
 
 @triton.jit
@@ -319,6 +323,7 @@ def na3d_bwd_dkdv_kernel(
     ACCUMULATE_DQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     BULK_DQ: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -348,8 +353,9 @@ def na3d_bwd_dkdv_kernel(
         stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
         stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
         T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D,
-        K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False)
-    tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+        K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False, CHECK)
+    if CHECK:
+        tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -375,6 +381,7 @@ def na3d_bwd_dkdv_safe_kernel(
     ACCUMULATE_DQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     BULK_DQ: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid: (G,), any G. The programs :func:`na3d_bwd_dkdv_kernel` flagged,
     computed again the safe way (``kernels.common``; as :func:`na3d_fwd_safe_kernel`),
@@ -396,7 +403,7 @@ def na3d_bwd_dkdv_safe_kernel(
         stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
         T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D,
         K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
-                                  False, False, True)
+                                  False, False, True, False)
 
 
 @triton.jit
@@ -415,8 +422,9 @@ def dkdv_tile(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
-    """One dK/dV program's work. Returns whether its dK or dV holds an inf or NaN.
+    """One dK/dV program's work. Returns (with ``CHECK``) whether its dK or dV holds an inf or NaN.
     ``SAFE``: the safe way (``kernels.common``)."""
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
@@ -472,8 +480,12 @@ def dkdv_tile(
     dv = dv.to(DV.dtype.element_ty)
     tl.store(dk_ptrs, dk, mask=store)
     tl.store(dv_ptrs, dv, mask=store)
-    # Checked as stored (see dq_tile).
-    return has_nonfinite(dk) | has_nonfinite(dv)
+    # Checked as stored: the float32 accumulators are dead by then, which keeps
+    # the loop's register allocation as it was (a value that overflows the
+    # storage type is flagged too, and merely recomputed).
+    if CHECK:
+        return has_nonfinite(dk) | has_nonfinite(dv)
+    return tl.zeros([], tl.int1)
 
 
 @triton.jit

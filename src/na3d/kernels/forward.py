@@ -34,6 +34,7 @@ def na3d_fwd_kernel(
     SCALE_SIGN: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
     of one (batch, head), against the union of their windows, scanned in
@@ -73,8 +74,9 @@ def na3d_fwd_kernel(
         stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
         stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
         T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, False)
-    tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, False, CHECK)
+    if CHECK:
+        tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -99,6 +101,7 @@ def na3d_fwd_safe_kernel(
     SCALE_SIGN: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid: (G,), any G. The programs :func:`na3d_fwd_kernel` flagged (``FLAGS``),
     computed again the safe way (``kernels.common``), each by one of the G
@@ -117,7 +120,7 @@ def na3d_fwd_safe_kernel(
         stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
         stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
         T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, True)
+        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, True, False)
 
 
 @triton.jit
@@ -134,10 +137,10 @@ def forward_tile(
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
-    (batch, head). Returns whether the output holds an inf or NaN. ``SAFE``: the
+    (batch, head). Returns (with ``CHECK``) whether the output holds an inf or NaN. ``SAFE``: the
     safe way (``kernels.common``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it."""
@@ -182,16 +185,17 @@ def forward_tile(
     o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on
               + (qt.to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
                  + qw.to(tl.int64) * stride_ow)[:, None] + d[None, :])
-    out = out.to(O.dtype.element_ty)
-    tl.store(o_ptrs, out, mask=q_valid[:, None] & d_ok[None, :])
+    if CHECK:
+        nonfinite = has_nonfinite(out)
+    else:
+        nonfinite = tl.zeros([], tl.int1)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
     if STORE_LSE:
         lse_rows = (((batch.to(tl.int64) * T + qt) * H + qh) * W + qw) * heads + head
         # m_i is in log2 units of the scaled scores; convert to natural log.
         tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
-    # Checked as stored: the float32 accumulator is dead by then (a value that
-    # overflows the storage type is flagged too, and merely recomputed). A NaN
-    # lse comes with a NaN output row.
-    return has_nonfinite(out)
+    # (A NaN lse comes with a NaN output row.)
+    return nonfinite
 
 
 @triton.jit
