@@ -18,7 +18,7 @@ if [[ -d .whl && $steps == *" wheels "* ]]; then
   python3 -c "import diffusers; print('diffusers', diffusers.__version__)"
 fi
 if [[ $steps == *" tune "* ]]; then
-  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tune --write --log "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
+  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tools.tune --write --log "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
   echo "tune rc=$?"; grep -E "bucket|WRONG|failed|budget" "$OUT/tune.log" | tail -30
   cp src/na3d/configs/sm90.json "$OUT/sm90.json"
 fi
@@ -31,6 +31,6 @@ if [[ $steps == *" test "* ]]; then
   echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
 fi
 if [[ $steps == *" decoder "* ]]; then
-  echo "=== decoder"; timeout ${DECODER_S:-120} python3 -m na3d.bench_decoder ${DECODER_ARGS:-} > "$OUT/decoder.log" 2>&1
+  echo "=== decoder"; timeout ${DECODER_S:-120} python3 -m na3d.tools.bench_decoder ${DECODER_ARGS:-} > "$OUT/decoder.log" 2>&1
   echo "decoder rc=$?"; tail -8 "$OUT/decoder.log"
 fi

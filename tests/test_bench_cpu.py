@@ -3,7 +3,7 @@
 import torch
 import pytest
 
-from na3d import bench
+from na3d.tools import bench
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark itself runs")
@@ -46,7 +46,7 @@ def test_table_shows_gpu_time_where_measured(capsys):
 
 
 def test_tuner_records_its_timing_method():
-    from na3d.tune import timing_method
+    from na3d.tools.tune import timing_method
 
     cpu = torch.device("cpu")
     assert timing_method(bench.Timer(cpu, flush_bytes=16)) == "eager, L2 flushed"

@@ -92,7 +92,7 @@ def configs_for(arch):
         wide = bucket.get("when", {}).get("head_dim_min", 0) > 128
         # A bucket's alternatives are compiled too, with their own backward entry or
         # the bucket's.
-        for name, entry in configs._options(bucket):
+        for name, entry in configs.bucket_options(bucket):
             for head_dim in (256,) if wide else (64, 128):
                 if head_dim > entry.get("when", {}).get("head_dim_max", head_dim):
                     continue

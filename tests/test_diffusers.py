@@ -40,7 +40,7 @@ from diffusers.models.autoencoders.ltx2_diffusion_decoder import (  # noqa: E402
 import na3d  # noqa: E402
 import na3d.diffusers as na3d_diffusers  # noqa: E402
 from na3d import geometry, launch  # noqa: E402
-from na3d.bench_decoder import decoder_row  # noqa: E402
+from na3d.tools.bench_decoder import decoder_row  # noqa: E402
 from na3d.diffusers import NA3DProcessor, use_na3d  # noqa: E402
 
 # Small but complete: every stage, multi-head attention (head_dim 16: the RoPE splits it
@@ -366,7 +366,7 @@ def test_decoder_row_on_cpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_decoder_benchmark_without_gpu_says_so(capsys):
-    from na3d.bench_decoder import main
+    from na3d.tools.bench_decoder import main
 
     assert main([]) == 0
     assert "No GPU found" in capsys.readouterr().out
@@ -461,7 +461,7 @@ def test_full_size_decoder_bf16_matches_exact_reference(monkeypatch):
     reference is the same decoder with the exact grouped-SDPA processor, in float32
     and bf16; na3d's bf16 error must stay within twice the reference's own.
     """
-    from na3d.bench_decoder import _processors, build_decoder
+    from na3d.tools.bench_decoder import build_decoder, method_processors
 
     device = torch.device("cuda")
     model32 = build_decoder(device, torch.float32)
@@ -478,7 +478,7 @@ def test_full_size_decoder_bf16_matches_exact_reference(monkeypatch):
         if processor == "na3d":
             use_na3d(model)
         else:
-            use_na3d(model, _processors()[processor])
+            use_na3d(model, method_processors()[processor])
         with torch.inference_mode():
             context = decoder.forward_stage_4(decoder.forward_stages_1_to_3(latent.to(dtype)))
             if noise is None:

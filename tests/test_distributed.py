@@ -104,7 +104,7 @@ def _needed_positions(length, kernel, receiver_slab, owner_slab):
 
 def _expected_sent_elements(rank, shape, kernel_size, shard_dim, sizes):
     """Elements of K and V this rank must send in forward, and send back in backward."""
-    bounds = geometry.slab_bounds(sizes)
+    bounds = nadist.slab_bounds(sizes)
     length, kernel = shape[shard_dim], kernel_size[shard_dim - 1]
     per_position = 2 * torch.Size(shape).numel() // length
     forward = sum(_needed_positions(length, kernel, bounds[r], bounds[rank])
@@ -155,7 +155,7 @@ def check_case(rank, shape, kernel_size, shard_dim, sizes, *, head_parallel=Fals
     """This rank's slab of the distributed result equals the single-process one."""
     assert sum(sizes) == shape[shard_dim]
     q, k, v, dout = _global_tensors(shape, seed, device)
-    a, b = geometry.slab_bounds(sizes)[rank]
+    a, b = nadist.slab_bounds(sizes)[rank]
 
     def mine(t):
         return t.narrow(shard_dim, a, b - a).detach().clone()
@@ -197,20 +197,20 @@ def check_case(rank, shape, kernel_size, shard_dim, sizes, *, head_parallel=Fals
 def check_halo_exchange(rank, shape, kernel_size, shard_dim, sizes, device="cpu"):
     """halo_exchange alone: K/V over the key range, and halo gradients summed by owners."""
     _, k, v, _ = _global_tensors(shape, 1, device)
-    bounds = geometry.slab_bounds(sizes)
+    bounds = nadist.slab_bounds(sizes)
     a, b = bounds[rank]
     length, kernel = shape[shard_dim], kernel_size[shard_dim - 1]
     kl = k.narrow(shard_dim, a, b - a).clone().requires_grad_()
     vl = v.narrow(shard_dim, a, b - a).clone().requires_grad_()
     k_ext, v_ext, (u0, u1) = nadist.halo_exchange(kl, vl, kernel_size, shard_dim=shard_dim)
-    assert (u0, u1) == geometry.keys_needed(a, b, length, kernel)
+    assert (u0, u1) == nadist.keys_needed(a, b, length, kernel)
     assert torch.equal(k_ext, k.narrow(shard_dim, u0, u1 - u0))
     assert torch.equal(v_ext, v.narrow(shard_dim, u0, u1 - u0))
     # Position j's gradient is 1 from every rank whose key range holds j (times 1 or 2).
     (k_ext.sum() + 2 * v_ext.sum()).backward()
     holders = torch.zeros(length, device=device)
     for ra, rb in bounds:
-        lo, hi = geometry.keys_needed(ra, rb, length, kernel)
+        lo, hi = nadist.keys_needed(ra, rb, length, kernel)
         holders[lo:hi] += 1
     view = [1] * 6
     view[shard_dim] = b - a

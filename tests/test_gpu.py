@@ -14,7 +14,7 @@ import torch
 
 import na3d
 from na3d import launch
-from na3d.bench import bench_shapes
+from na3d.tools.common import bench_shapes
 from helpers import LAYOUTS, make_qkv
 
 pytestmark = [pytest.mark.gpu,
@@ -162,7 +162,7 @@ def test_graph_timer_replays_the_call():
     """``bench.Timer(graphs=True)`` (the tuner's ``--graph-timing``) runs the captured
     call on every replay and returns a finite time (no value is asserted: timings
     are not tested)."""
-    from na3d.bench import Timer
+    from na3d.tools.common import Timer
 
     counter = torch.zeros((), device="cuda")
     ms = Timer(torch.device("cuda"), flush_bytes=1 << 20, graphs=True)(lambda: counter.add_(1), min_runs=10)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import na3d
-from na3d.bench import bench_shapes
+from na3d.tools.common import bench_shapes
 from helpers import make_qkv
 
 pytestmark = [pytest.mark.gpu,

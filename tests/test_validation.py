@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import na3d
-from na3d import api, launch
+from na3d import launch, reference
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def no_launch(monkeypatch):
         raise AssertionError("a kernel or reference ran before validation finished")
 
     monkeypatch.setattr(launch, "na3d_forward", refuse)
-    monkeypatch.setattr(api.reference, "na3d_sdpa_exact", refuse)
+    monkeypatch.setattr(reference, "na3d_sdpa_exact", refuse)
 
 
 def call(q, k, v, kernel_size=3, **kw):
@@ -198,7 +198,7 @@ def test_bucket_alternatives_chosen_by_issued_products():
     for shape in ((13, 40, 40), (15, 80, 32), (16, 80, 32), (16, 128, 128), (22, 96, 64), (30, 48, 48), (79, 192, 192)):
         cfg = configs.forward_config("sm90", shape, kernel, 64, torch.bfloat16)
         want, best = None, None
-        for name, opt in configs._options(bucket):
+        for name, opt in configs.bucket_options(bucket):
             ratio = geometry.issued_flops_ratio(shape, kernel, *configs.fitted_tiles(opt["q_tile"], opt["kv_tile"], shape, kernel))
             if best is None or ratio < configs.ALTERNATIVE_MARGIN * best:
                 want, best = name, ratio

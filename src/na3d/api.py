@@ -1,4 +1,5 @@
-"""Public API: argument normalization, validation and dispatch.
+"""Public API: argument normalization, validation, and dilation and grouped-query
+attention composed from the base kernel (:func:`na3d.ops.dispatch` picks the path).
 
 Every check runs before anything is launched; a bad argument raises ``ValueError``
 or ``TypeError`` naming the argument, its value and what is allowed.
@@ -22,8 +23,10 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from . import launch, ops, reference
 from .merge import merge_attentions
+# The path a validated call takes (kernels, their operator, or the reference) is
+# chosen in ops; the composition below (dilation groups, key/value heads) calls it.
+from .ops import dispatch as _run
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -131,30 +134,6 @@ def _empty_result(query, key, value, return_lse: bool):
     if not return_lse:
         return out
     return out, torch.zeros(query.shape[:-1], dtype=torch.float32, device=query.device) + tie.float()
-
-
-def _run(query, key, value, kernel_size, causal, stride, scale: float, return_lse: bool):
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
-        if not needs_grad and not torch.compiler.is_compiling():
-            # Inference, eager: launch directly. The operator's dispatch (schema
-            # checks, autograd and fake-tensor plumbing) costs tens of microseconds
-            # per call, as much as a small problem's kernel.
-            out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
-                                           is_causal=causal, stride=stride)
-            return (out, lse) if return_lse else out
-        if ops.eager(query, key, value):
-            # Training, eager: autograd without the operator's dispatch (see ops.EagerAttention).
-            out, lse = ops.EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
-                                                tuple(stride))
-            return (out, lse) if return_lse else out
-        # Traced (torch.compile): the operator. The log-sum-exp is saved for the
-        # backward only when a gradient can flow.
-        out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
-                               list(causal), list(stride))
-        return (out, lse) if return_lse else out
-    return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
-                                     is_causal=causal, stride=stride)
 
 
 def na3d(

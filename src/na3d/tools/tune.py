@@ -1,10 +1,10 @@
 """Offline tuning: measure candidate configs and rewrite an arch's JSON table.
 
-    python -m na3d.tune                       # forward, all benchmark shapes, print the table
-    python -m na3d.tune --write               # ... and rewrite configs/<arch>.json
-    python -m na3d.tune --backward --write    # also the backward kernels' tiles
-    python -m na3d.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
-    python -m na3d.tune --buckets medium_window --backward --graph-timing   # GPU time only
+    python -m na3d.tools.tune                       # forward, all benchmark shapes, print the table
+    python -m na3d.tools.tune --write               # ... and rewrite configs/<arch>.json
+    python -m na3d.tools.tune --backward --write    # also the backward kernels' tiles
+    python -m na3d.tools.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
+    python -m na3d.tools.tune --buckets medium_window --backward --graph-timing   # GPU time only
 
 Candidates per shape are the tile pairs that issue the fewest QK^T products
 (``geometry.issued_flops_ratio``), each with a few warp/stage settings. Every
@@ -32,9 +32,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import configs, geometry, launch
-from .bench import Timer, bench_shapes, log
-from .reference import na3d_sdpa_exact
+from .. import configs, geometry, launch
+from ..reference import na3d_sdpa_exact
+from .common import Timer, bench_shapes, log
 
 POW2 = (1, 2, 4, 8, 16, 32, 64)
 
@@ -55,7 +55,7 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     scored = []
     for qt in q_tiles:
         for kt in kv_tiles:
-            fitted = configs._fit(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)])
+            fitted = configs.fit_tile(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)])
             if fitted != kt:
                 continue
             scored.append((geometry.issued_flops_ratio(shape, kernel, qt, kt), math.prod(qt), qt, kt))
@@ -345,7 +345,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m na3d.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m na3d.tools.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*")
     parser.add_argument("--buckets", nargs="*", help="only these buckets of the table")
     parser.add_argument("--top", type=int, default=4, help="tile pairs per shape")
@@ -363,24 +363,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="per bucket and pass (forward, backward): stop trying new candidates after this "
                              "many seconds and keep the best so far")
     parser.add_argument("--graph-timing", action="store_true",
-                        help="time candidates as CUDA-graph replays, GPU time only (bench.Timer): for "
+                        help="time candidates as CUDA-graph replays, GPU time only (tools.common.Timer): for "
                              "latency-bound shapes whose host overhead per call exceeds their kernels")
     parser.add_argument("--write", action="store_true", help="rewrite the arch's JSON table")
     parser.add_argument("--log", default=None, help="also write every measurement to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        log("python -m na3d.tune measures on a GPU; none found.")
+        log("python -m na3d.tools.tune measures on a GPU; none found.")
         return 1
     device = torch.device("cuda")
     arch = configs.device_arch(torch.cuda.current_device())
     specs = [s for s in bench_shapes() if not args.shapes or s["name"] in args.shapes]
     table = configs.load_table(arch)
     buckets = [dict(entry) for entry in table["forward"]]
-    path = os.path.join(os.path.dirname(__file__), "configs", f"{arch}.json")
+    path = os.path.join(os.path.dirname(configs.__file__), "configs", f"{arch}.json")
 
     def bucket_of(spec):
         for i, entry in enumerate(buckets):
-            if configs._matches(entry.get("when", {}), spec["shape"][-1], spec["kernel_size"], torch.bfloat16):
+            if configs.matches(entry.get("when", {}), spec["shape"][-1], spec["kernel_size"], torch.bfloat16):
                 return i
         return None
 
