@@ -12,10 +12,8 @@ gradients of the halo (dK, dV at positions other ranks own) travel back to their
 owners and are summed there, while dQ never leaves its rank.
 """
 
-from __future__ import annotations
-
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -82,17 +80,22 @@ class _HaloExchange:
     def _empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
+    def _pack_rows(self, pieces, key: torch.Tensor, value: torch.Tensor, origin: int) -> torch.Tensor:
+        """A flat buffer laid out like ``pieces``, holding the K and V rows of each
+        piece's positions; ``origin`` is the global position of ``key``'s first row."""
+        flat = self._empty(self._total(pieces))
+        for piece in pieces:
+            _, start, stop, _, _ = piece
+            packed = self._view(flat, piece)
+            packed[0].copy_(key.narrow(self.dim, start - origin, stop - start))
+            packed[1].copy_(value.narrow(self.dim, start - origin, stop - start))
+        return flat
+
     # -- forward ------------------------------------------------------------------
 
     def start(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Post every send and receive; return the (still filling) receive buffer."""
-        a = self.layout.slab[0]
-        send = self._empty(self._total(self.outgoing))
-        for piece in self.outgoing:
-            _, start, stop, _, _ = piece
-            packed = self._view(send, piece)
-            packed[0].copy_(key.narrow(self.dim, start - a, stop - start))
-            packed[1].copy_(value.narrow(self.dim, start - a, stop - start))
+        send = self._pack_rows(self.outgoing, key, value, self.layout.slab[0])
         received = self._empty(self._total(self.incoming))
         self.send_buffer = send  # must outlive the sends
         self.works = self._post(
@@ -121,12 +124,7 @@ class _HaloExchange:
         """Own-slab part of dK/dV, and the halo part packed like the receive buffer."""
         a, b = self.layout.slab
         u0 = self.layout.key_range[0]
-        grad_received = self._empty(self._total(self.incoming))
-        for piece in self.incoming:
-            _, start, stop, _, _ = piece
-            packed = self._view(grad_received, piece)
-            packed[0].copy_(grad_key_ext.narrow(self.dim, start - u0, stop - start))
-            packed[1].copy_(grad_value_ext.narrow(self.dim, start - u0, stop - start))
+        grad_received = self._pack_rows(self.incoming, grad_key_ext, grad_value_ext, u0)
         return (grad_key_ext.narrow(self.dim, a - u0, b - a),
                 grad_value_ext.narrow(self.dim, a - u0, b - a),
                 grad_received)
@@ -181,21 +179,34 @@ class _FinishHaloExchange(torch.autograd.Function):
         return None, grad_key, grad_value, grad_received
 
 
-def halo_exchange(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kernel_size,
-    *,
-    group=None,
-    shard_dim: int = 1,
-    slab_sizes: Optional[Sequence[int]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, int]]:
-    """K and V of this rank's key range, gathered from the ranks that own them.
+def halo_exchange(key: torch.Tensor, value: torch.Tensor, kernel_size: Union[int, Sequence[int]], *,
+                  group: Optional[dist.ProcessGroup] = None, shard_dim: int = 1,
+                  slab_sizes: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, int]]:
+    """K and V over this rank's key range, gathered from the ranks that own them.
 
-    Returns ``(key_ext, value_ext, (u0, u1))``: the global positions ``[u0, u1)`` along
-    ``shard_dim`` that this rank's queries need (:func:`na3d.distributed.plan.keys_needed`).
-    Differentiable: gradients of the halo positions go back to their owners.
-    This is the communication half of :func:`sharded_na3d`, on its own.
+    The communication half of :func:`sharded_na3d`, on its own. Collective: every
+    rank of ``group`` calls it with matching arguments.
+
+    Args:
+        key: this rank's slab ``(B, n_rank, H, W, NKV, HD)`` (for ``shard_dim=1``;
+            likewise along H or W) of the global key tensor, slabs contiguous and
+            in rank order.
+        value: key's shape, dtype and device.
+        kernel_size: int or ``(KT, KH, KW)``, ``1 <= K <= global size`` per axis.
+        group: the process group (default: the world).
+        shard_dim: 1 (T), 2 (H) or 3 (W).
+        slab_sizes: every rank's slab size along ``shard_dim``; learned with one small
+            ``all_gather`` when None.
+
+    Returns:
+        ``(key_ext, value_ext, (u0, u1))``: K and V at the global positions
+        ``[u0, u1)`` along ``shard_dim`` that this rank's queries need
+        (:func:`na3d.distributed.plan.keys_needed`). Differentiable: the gradients
+        of the halo positions go back to their owners.
+
+    Raises:
+        TypeError, ValueError: on every rank, if any rank's arguments are wrong.
+        RuntimeError: ``torch.distributed`` is not initialized.
     """
     group, layout = slab_layout({"key": key, "value": value}, kernel_size, shard_dim, group, slab_sizes)
     exchange = _HaloExchange(layout, group, key)
@@ -246,43 +257,67 @@ def _concat_rows(parts, dim: int):
     return torch.cat(parts, dim)
 
 
-def sharded_na3d(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kernel_size,
-    *,
-    group=None,
-    shard_dim: int = 1,
-    slab_sizes: Optional[Sequence[int]] = None,
-    overlap: bool = False,
-    **na3d_kwargs,
-):
-    """This rank's slab of ``na3d(Q, K, V, kernel_size)`` on tensors sharded over ``group``.
-
-    ``query``, ``key``, ``value``: this rank's ``(B, n_rank, H, W, NH, HD)`` slab (for
-    ``shard_dim=1``; likewise for H or W) of the global tensors, slabs contiguous and
-    in rank order, any sizes >= 1. ``slab_sizes`` (one int per rank) skips the small
-    all_gather that otherwise learns them. ``na3d_kwargs`` (``scale``,
-    ``return_lse``; ``stride``, ``dilation``, ``is_causal`` at their defaults only)
-    go to :func:`na3d.na3d`. Returns what na3d returns, for this rank's slab.
+def sharded_na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 kernel_size: Union[int, Sequence[int]], *, group: Optional[dist.ProcessGroup] = None,
+                 shard_dim: int = 1, slab_sizes: Optional[Sequence[int]] = None, overlap: bool = False,
+                 **na3d_kwargs) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slab of ``na3d(Q, K, V, kernel_size)`` for tensors sharded over ``group``.
 
     Each rank receives exactly the K/V positions its queries need that other ranks
-    own (:func:`na3d.distributed.plan.halo_exchange_plan`) and sends exactly the parts of its
-    own slab the others need, with one ``batch_isend_irecv``.
+    own (:func:`na3d.distributed.plan.halo_exchange_plan`) and sends exactly the
+    parts of its own slab the others need, with one ``batch_isend_irecv``; then it
+    attends locally. Collective, forward and backward: every rank of ``group`` calls
+    it with matching arguments and runs backward through the result.
 
-    ``overlap=True`` posts the exchange, computes the queries whose windows lie in
-    the own slab (:func:`na3d.distributed.plan.queries_within`) while the halo is in flight,
-    then the two border strips. With today's zero-padded queries (see
-    :func:`_attend_rows`) that costs three padded calls instead of one, about
-    ``2 * (K - 1)`` extra query positions of compute along ``shard_dim``, which is
-    more than the transfer it hides on NVLink for video shapes
-    (``docs/distributed.md``), so it is off by default. Once na3d takes a query
-    offset the split costs nothing and overlap should become the default. Backward
-    does not overlap: the halo gradients are exchanged after the local backward.
+    Args:
+        query: this rank's slab ``(B, n_rank, H, W, NH, HD)`` (for ``shard_dim=1``;
+            likewise along H or W) of the global query, slabs contiguous and in rank
+            order, any sizes ``>= 1``. Dtypes, head dims and strides as
+            :func:`na3d.na3d`.
+        key: the same slab of the global key, query's shape (equal head counts).
+        value: the same slab of the global value, query's shape.
+        kernel_size: int or ``(KT, KH, KW)``, ``1 <= K <= global size`` per axis.
+        group: the process group (default: the world). NCCL with CUDA tensors (one
+            device per rank, ``torch.cuda.set_device`` called), gloo with CPU ones.
+        shard_dim: the sharded axis, 1 (T), 2 (H) or 3 (W).
+        slab_sizes: every rank's slab size along ``shard_dim``, in rank order; when
+            None they are learned with one small ``all_gather``, which also checks the
+            arguments agree across ranks.
+        overlap: compute the queries whose windows lie in the own slab
+            (:func:`na3d.distributed.plan.queries_within`) while the halo is in
+            flight, then the two border strips. Off by default: with today's
+            zero-padded queries (see :func:`_attend_rows`) that costs three padded
+            calls instead of one, more than the transfer it hides on NVLink for video
+            shapes (``docs/distributed.md``). Backward does not overlap.
+        **na3d_kwargs: ``scale`` and ``return_lse`` go to :func:`na3d.na3d`;
+            ``stride``, ``dilation`` and ``is_causal`` only at their defaults.
+
+    Returns:
+        What :func:`na3d.na3d` returns, for this rank's slab: ``out`` of query's
+        shape, or ``(out, lse)``. Differentiable: the halo's gradients travel back to
+        the ranks that own it and are summed there.
+
+    Raises:
+        TypeError, ValueError: on every rank, if any rank's arguments are wrong (a
+            rank that rejects its own arguments tells the others, so none waits in a
+            collective).
+        NotImplementedError: ``stride``, ``dilation`` or ``is_causal`` other than
+            their defaults.
+        RuntimeError: ``torch.distributed`` is not initialized.
+
+    Non-finite inputs: as :func:`na3d.na3d`.
+
+    Example (``examples/context_parallel.py``; under ``torchrun --nproc-per-node 2``)::
+
+        dist.init_process_group("gloo")                       # "nccl" for CUDA tensors
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sizes = na3d.distributed.even_slab_sizes(q.shape[1], world)
+        start = sum(sizes[:rank])
+        local = [t[:, start:start + sizes[rank]] for t in (q, k, v)]   # this rank's frames
+        out = sharded_na3d(*local, (3, 5, 5), shard_dim=1)   # == na3d(q, k, v, (3, 5, 5))[:, start:...]
     """
     group, layout = slab_layout({"query": query, "key": key, "value": value}, kernel_size, shard_dim, group,
-                          slab_sizes, na3d_kwargs, overlap)
+                                slab_sizes, na3d_kwargs, overlap)
     dim = layout.shard_dim
     a, b = layout.slab
     u0, _ = layout.key_range

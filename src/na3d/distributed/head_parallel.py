@@ -7,10 +7,8 @@ world`` slabs (q, k, v, then the output), whatever the kernel. Differentiable: t
 gradient of an all-to-all is the reverse all-to-all.
 """
 
-from __future__ import annotations
-
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -73,28 +71,46 @@ def _heads_to_slabs(x: torch.Tensor, layout: SlabLayout, group) -> torch.Tensor:
     return per_rank.movedim(0, 4).flatten(4, 5)        # heads j * nh .. came from rank j
 
 
-def head_parallel_na3d(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kernel_size,
-    *,
-    group=None,
-    shard_dim: int = 1,
-    slab_sizes: Optional[Sequence[int]] = None,
-    **na3d_kwargs,
-):
-    """Same contract as :func:`sharded_na3d`, computed head-parallel (Ulysses-style).
+def head_parallel_na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kernel_size: Union[int, Sequence[int]], *, group: Optional[dist.ProcessGroup] = None,
+                       shard_dim: int = 1, slab_sizes: Optional[Sequence[int]] = None,
+                       **na3d_kwargs) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`na3d.distributed.sharded_na3d`'s contract, computed head-parallel (Ulysses-style).
 
     One all-to-all sends each rank all positions of ``NH / world`` heads (q, k and v
     in one message per peer), :func:`na3d.na3d` runs unchanged on the full grid, and
-    a second all-to-all returns each rank its slab with all heads. Needs ``NH``
-    divisible by the group size; exact for any kernel, with no padded queries, but
-    moves about four slabs per rank per pass whatever the kernel
-    (:func:`head_parallel_bytes`), and each rank holds the full grid of its heads.
+    a second all-to-all returns each rank its slab with all heads. Exact for any
+    kernel, with no padded queries, but it moves about four slabs per rank per pass
+    whatever the kernel (:func:`na3d.distributed.head_parallel_bytes`), and each rank
+    holds the full grid of its heads. Collective, forward and backward.
+
+    Args:
+        query: this rank's slab ``(B, n_rank, H, W, NH, HD)`` (for ``shard_dim=1``) of
+            the global query; ``NH`` divisible by the group's size.
+        key: the same slab of the global key, query's shape.
+        value: the same slab of the global value, query's shape.
+        kernel_size: int or ``(KT, KH, KW)``, ``1 <= K <= global size`` per axis.
+        group: the process group (default: the world); NCCL or gloo.
+        shard_dim: 1 (T), 2 (H) or 3 (W).
+        slab_sizes: every rank's slab size, or None to learn them (one ``all_gather``).
+        **na3d_kwargs: passed to :func:`na3d.na3d` (``scale``, ``return_lse``;
+            ``stride``, ``dilation``, ``is_causal`` at their defaults only).
+
+    Returns:
+        What :func:`na3d.na3d` returns, for this rank's slab; differentiable (the
+        gradient of an all-to-all is the reverse all-to-all).
+
+    Raises:
+        ValueError: ``NH`` does not divide by the group's size, or (on every rank) any
+            rank's arguments are wrong; TypeError likewise.
+        NotImplementedError, RuntimeError: as :func:`na3d.distributed.sharded_na3d`.
+
+    Example (``examples/context_parallel.py``)::
+
+        out = head_parallel_na3d(*local, (3, 5, 5), shard_dim=1)   # the same rows as sharded_na3d
     """
     group, layout = slab_layout({"query": query, "key": key, "value": value}, kernel_size, shard_dim, group,
-                          slab_sizes, na3d_kwargs)
+                                slab_sizes, na3d_kwargs)
     heads = layout.global_shape[4]
     if heads % layout.world_size:
         raise ValueError(f"query has {heads} heads (query.shape[4]), which the {layout.world_size} ranks "

@@ -6,8 +6,6 @@ windows (dilation 1, non-causal, stride 1); :mod:`na3d.distributed.halo` turns t
 into point-to-point messages and :mod:`na3d.distributed.traffic` into byte counts.
 """
 
-from __future__ import annotations
-
 from typing import List, NamedTuple, Sequence, Tuple
 
 from ..geometry import window_start
@@ -43,6 +41,10 @@ def keys_needed(first: int, stop: int, length: int, kernel_size: int) -> Tuple[i
     sub-axis, gives every query of ``[first, stop)`` exactly its global window:
     ``window_start(i - u0, u1 - u0, K) + u0 == window_start(i, L, K)``. That is what
     lets a rank compute its slab from its slab plus the halo it receives.
+
+    Example:
+        >>> keys_needed(0, 4, 16, 5), keys_needed(4, 8, 16, 5)   # a border slab sees deeper
+        ((0, 6), (2, 10))
     """
     _check_axis(length, kernel_size)
     if not 0 <= first < stop <= length:
@@ -58,6 +60,10 @@ def queries_within(first: int, stop: int, length: int, kernel_size: int) -> Tupl
     Returns a half-open range (empty when ``first == stop`` comes back): window starts
     never decrease with the query index, so these queries are contiguous. A rank can
     compute them from its own slab alone, before any halo has arrived.
+
+    Example:
+        >>> queries_within(0, 8, 16, 5), queries_within(4, 8, 16, 5)
+        ((0, 6), (4, 4))
     """
     _check_axis(length, kernel_size)
     if not 0 <= first < stop <= length:
@@ -72,7 +78,12 @@ def queries_within(first: int, stop: int, length: int, kernel_size: int) -> Tupl
 
 
 def slab_bounds(slab_sizes: Sequence[int]) -> List[Tuple[int, int]]:
-    """``[start, stop)`` of each slab when an axis is cut into ``slab_sizes``, in order."""
+    """``[start, stop)`` of each slab when an axis is cut into ``slab_sizes``, in order.
+
+    Example:
+        >>> slab_bounds([3, 5, 2])
+        [(0, 3), (3, 8), (8, 10)]
+    """
     bounds = []
     start = 0
     for rank, size in enumerate(slab_sizes):
@@ -93,6 +104,10 @@ def halo_exchange_plan(slab_sizes: Sequence[int], kernel_size: int) -> List[Halo
     incoming pieces and its own slab tile its key range in rank order.
 
     Returns the non-empty transfers ordered by (receiver, sender).
+
+    Example:
+        >>> halo_exchange_plan([4, 4], 5)
+        [HaloTransfer(sender=1, receiver=0, start=4, stop=6), HaloTransfer(sender=0, receiver=1, start=2, stop=4)]
     """
     if len(slab_sizes) == 0:
         raise ValueError("slab_sizes must name at least one slab")

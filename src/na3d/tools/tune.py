@@ -95,6 +95,14 @@ class Budget:
     def spent(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
+    def tried(self, candidates: list, name: str):
+        """``candidates`` in order while the budget lasts; the first (the current config) always."""
+        for i, cfg in enumerate(candidates):
+            if i > 0 and self.spent():
+                log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
+                return
+            yield cfg
+
 
 def _inputs(spec: dict, device):
     shape = tuple(spec["shape"])
@@ -112,10 +120,7 @@ def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, d
     ref_err = (na3d_sdpa_exact(q, k, v, ks).float() - oracle).abs().max().item()
     tol = 2 * ref_err + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, oracle.abs().max().item())
     times = {}
-    for i, cfg in enumerate(candidates):
-        if i > 0 and budget.spent():
-            log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
-            break
+    for cfg in budget.tried(candidates, name):
         key = config_key(cfg)
         out = torch.full_like(q, float("nan"))
         t0 = time.perf_counter()
@@ -161,10 +166,7 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
     base = errors(current)
     tol = [2 * e + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, o.abs().max().item()) for e, o in zip(base, oracle)]
     times = {}
-    for i, cfg in enumerate(candidates):
-        if i > 0 and budget.spent():
-            log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
-            break
+    for cfg in budget.tried(candidates, name):
         key = backward_key(cfg)
         if fit is not None:
             cfg = fit((cfg.dq_q_tile, cfg.dq_kv_tile, cfg.num_warps, cfg.num_stages),
@@ -308,29 +310,24 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
                                           **caps)
         return configs.fit_backward(entry_form, tuple(spec["shape"][1:4]), tuple(spec["kernel_size"]), "candidate")
 
-    results: Dict[str, Dict[str, float]] = {}
-    dq_options = [dq_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                             if launch_fits(math.prod(a), w) and (a, b, w, st) != dq_now]
-    log(f"bucket {entry['bucket']} backward dQ: {len(dq_options)} candidates on {names}")
-    step1 = {}
-    for s in members:
-        cands = [as_config(dq, dkdv_now) for dq in dq_options]
-        step1[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
-        torch.cuda.empty_cache()
-    choice, slow, _ = choose(step1, names)
+    def step(kernel: str, now, make_config):
+        """Measure ``now`` and every other candidate of one kernel's (tiles, warps, stages)
+        on each shape of the bucket, as configs ``make_config(candidate)``; pick one."""
+        options = [now] + [(a, b, w, st) for a, b in pairs for w, st in launches
+                           if launch_fits(math.prod(a), w) and (a, b, w, st) != now]
+        log(f"bucket {entry['bucket']} backward {kernel}: {len(options)} candidates on {names}")
+        times = {}
+        for s in members:
+            cands = [make_config(option) for option in options]
+            times[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
+            torch.cuda.empty_cache()
+        return times, *choose(times, names)
+
+    step1, choice, slow, _ = step("dQ", dq_now, lambda dq: as_config(dq, dkdv_now))
     picked = json.loads(choice)
     dq_best = (tuple(picked["dq"][0]), tuple(picked["dq"][1]), picked["num_warps"], picked["num_stages"])
     log(f"bucket {entry['bucket']} backward dQ: {choice} (geomean slowdown {slow:.3f})")
-
-    dkdv_options = [dkdv_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                                 if launch_fits(math.prod(a), w) and (a, b, w, st) != dkdv_now]
-    log(f"bucket {entry['bucket']} backward dK/dV: {len(dkdv_options)} candidates on {names}")
-    step2 = {}
-    for s in members:
-        cands = [as_config(dq_best, dkdv) for dkdv in dkdv_options]
-        step2[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
-        torch.cuda.empty_cache()
-    choice, slow, best = choose(step2, names)
+    step2, choice, slow, best = step("dK/dV", dkdv_now, lambda dkdv: as_config(dq_best, dkdv))
     picked = json.loads(choice)
     before = backward_key(as_config(dq_now, dkdv_now))
     entry["backward"] = dict(picked, measured={
@@ -338,6 +335,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
             "before_ms": round(step1[m].get(before, float("nan")), 4), "timing": timing_method(timer)}
         for m in names})
     log(f"bucket {entry['bucket']} backward: {choice} (geomean slowdown {slow:.3f})")
+    results: Dict[str, Dict[str, float]] = {}
     for m in names:
         results[m + "/dq"] = step1[m]
         results[m + "/dkdv"] = step2[m]
