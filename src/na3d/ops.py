@@ -103,11 +103,11 @@ class EagerAttention(torch.autograd.Function):
     """The operator's forward and backward for eager calls that need a gradient.
 
     Same launchers, same saved tensors, same backward as ``forward`` with its
-    registered autograd, without the operator's dispatch: on the H200 host an
-    eager ``autograd.grad`` through the operator took ~0.6 ms against ~0.14 ms
-    for the backward kernels themselves (edge-wide), so small training calls
-    were host-bound. Traced calls (``torch.compile``, CUDA graphs under compile)
-    keep the operator; see :func:`eager`.
+    registered autograd, without the operator's dispatch, whose host time inside
+    an eager ``autograd.grad`` is several times that of a small problem's backward
+    kernels (``benchmarks/NOTES.md``, "Host overhead of eager autograd"). Traced
+    calls (``torch.compile``, CUDA graphs under compile) keep the operator; see
+    :func:`eager`.
     """
 
     @staticmethod
