@@ -393,8 +393,9 @@ def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_
 
 
 def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: IntOrTuple,
-         stride: IntOrTuple = 1, dilation: IntOrTuple = 1, is_causal: BoolOrTuple = False, scale: Optional[float] = None,
-         additional_keys: Optional[torch.Tensor] = None, additional_values: Optional[torch.Tensor] = None,
+         stride: IntOrTuple = 1, dilation: IntOrTuple = 1, is_causal: BoolOrTuple = False,
+         scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+         additional_values: Optional[torch.Tensor] = None,
          return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """1D neighborhood attention over a sequence, ``natten.na1d``'s signature.
 

@@ -26,7 +26,6 @@ _META_FLAG, _META_SHARD_DIM, _META_KERNEL, _META_SHAPE = 0, 1, 2, 5
 _META_LENGTH = 11
 
 
-
 def kernel_triple(kernel_size) -> Tuple[int, int, int]:
     def is_int(x):
         return isinstance(x, int) and not isinstance(x, bool)

@@ -5,6 +5,7 @@ fact the distributed code rests on (attention on the sub-axis of needed keys giv
 each query its global window) against the exact reference.
 """
 
+import doctest
 import itertools
 
 import pytest
@@ -126,3 +127,7 @@ def test_halo_geometry_rejects_bad_input():
         halo_geometry.halo_exchange_plan([], 3)
     with pytest.raises(ValueError, match="kernel_size"):
         halo_geometry.halo_exchange_plan([1, 2], 5)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(halo_geometry).failed == 0
