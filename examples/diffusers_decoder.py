@@ -23,20 +23,12 @@ from diffusers.models.autoencoders.ltx2_diffusion_decoder import (
 
 from na3d.diffusers import use_na3d
 
-# A small decoder with every stage of the real one: head dim 16, kernels shifted
-# inward along every axis; a latent of 1 x 8 x 2 x 2 x 3 decodes to 9 frames of 32 x 48.
-TINY_CONFIG = dict(
-    latent_channels=8,
-    patch_size=2,
-    decoder_head_dim=16,
-    decoder_stage_channels=(64, 32, 32, 32, 32),
-    decoder_stage_depths=(1, 1, 1, 1, 2),
-    decoder_stage_kernels=((3, 1, 3), (3, 3, 5), (3, 3, 3), (3, 3, 3)),
-    decoder_upsample_channel_reductions=(2, 1, 1, 1),
-    decoder_stage5_kernel=(5, 5, 7),
-    decoder_t_emb_dim=32,
-    spatial_compression_ratio=16,
-)
+# A small decoder with every stage of the real one: head dim 16 (2-4 heads), kernels
+# shifted inward along every axis; a latent of 1 x 8 x 2 x 2 x 3 decodes to 9 frames of 32 x 48.
+TINY_CONFIG = dict(latent_channels=8, patch_size=2, spatial_compression_ratio=16, decoder_head_dim=16,
+                   decoder_t_emb_dim=32, decoder_stage_channels=(64, 32, 32, 32, 32),
+                   decoder_stage_depths=(1, 1, 1, 1, 2), decoder_upsample_channel_reductions=(2, 1, 1, 1),
+                   decoder_stage_kernels=((3, 1, 3), (3, 3, 5), (3, 3, 3), (3, 3, 3)), decoder_stage5_kernel=(5, 5, 7))
 TINY_LATENT = (1, 8, 2, 2, 3)
 FULL_LATENT = (1, 128, 16, 16, 24)  # a 121-frame 512 x 768 video
 

@@ -22,6 +22,7 @@ import sys
 
 from typing import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -68,6 +69,20 @@ def spawn(world: int, suite: Callable[[int, int], None], backend: str = "gloo") 
     """Run ``suite(rank, world)`` on ``world`` processes of one group (a module-level
     function of a test module, so that the spawned processes can import it)."""
     mp.spawn(_worker, args=(world, _free_port(), backend, suite), nprocs=world, join=True)
+
+
+def by_world(suite2, suite3, suite4) -> list:
+    """``(world, suite)`` cases for ``pytest.mark.parametrize``: groups of 2 ranks in the
+    default run, of 3 and 4 in the slow one."""
+    return [pytest.param(world, suite, id=f"world{world}", marks=() if world == 2 else pytest.mark.slow)
+            for world, suite in ((2, suite2), (3, suite3), (4, suite4))]
+
+
+def on_two_gpus(test):
+    """A ``gpu`` test that needs two CUDA devices and NCCL."""
+    needs = pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                               reason="needs 2 CUDA devices and NCCL")
+    return pytest.mark.gpu(needs(test))
 
 
 # ----------------------------------------------------------------------------------

@@ -6,10 +6,9 @@ halo) in the slow one; NCCL on two GPUs. See ``ranks.py`` for how a case runs.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from na3d import launch
-from ranks import check_case, check_halo_exchange, spawn
+from ranks import by_world, check_case, check_halo_exchange, on_two_gpus, spawn
 
 
 def halo_world2(rank, world):
@@ -46,10 +45,7 @@ def halo_world4(rank, world):
     check_halo_exchange(rank, (1, 5, 3, 2, 1, 8), (5, 1, 1), 1, (1, 1, 1, 2))
 
 
-@pytest.mark.parametrize("world,suite", [(2, halo_world2),
-                                         pytest.param(3, halo_world3, marks=pytest.mark.slow),
-                                         pytest.param(4, halo_world4, marks=pytest.mark.slow)],
-                         ids=["world2", "world3", "world4"])
+@pytest.mark.parametrize("world,suite", by_world(halo_world2, halo_world3, halo_world4))
 def test_sharded_na3d_matches_single_process(world, suite):
     spawn(world, suite)
 
@@ -67,8 +63,6 @@ def halo_nccl(rank, world):
     check_halo_exchange(rank, (1, 7, 8, 8, 2, 64), (5, 3, 3), 1, (1, 6), device="cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
-                    reason="needs 2 CUDA devices and NCCL")
+@on_two_gpus
 def test_nccl_two_gpus():
     spawn(2, halo_nccl, backend="nccl")

@@ -5,10 +5,8 @@ two GPUs. See ``ranks.py`` for how a case runs.
 """
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from ranks import check_case, spawn
+from ranks import by_world, check_case, on_two_gpus, spawn
 
 
 def head_parallel_world2(rank, world):
@@ -28,10 +26,7 @@ def head_parallel_world4(rank, world):
     check_case(rank, (1, 5, 3, 3, 4, 8), (5, 3, 3), 1, (2, 1, 1, 1), head_parallel=True)
 
 
-@pytest.mark.parametrize("world,suite", [(2, head_parallel_world2),
-                                         pytest.param(3, head_parallel_world3, marks=pytest.mark.slow),
-                                         pytest.param(4, head_parallel_world4, marks=pytest.mark.slow)],
-                         ids=["world2", "world3", "world4"])
+@pytest.mark.parametrize("world,suite", by_world(head_parallel_world2, head_parallel_world3, head_parallel_world4))
 def test_head_parallel_na3d_matches_single_process(world, suite):
     spawn(world, suite)
 
@@ -42,8 +37,6 @@ def head_parallel_nccl(rank, world):
     check_case(rank, (1, 9, 16, 16, 2, 64), (5, 7, 7), 1, (4, 5), head_parallel=True, **gpu)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
-                    reason="needs 2 CUDA devices and NCCL")
+@on_two_gpus
 def test_nccl_two_gpus():
     spawn(2, head_parallel_nccl, backend="nccl")
