@@ -2,6 +2,7 @@
 # One GPU session: tune (optional), benchmark, GPU tests. Logs and results go to $OUT.
 #   bash benchmarks/gpu_session.sh [wheels] [tune] [bench] [test] [decoder]
 # (env: NA3D_COMMIT, TUNE_ARGS, BENCH_ARGS, TEST_ARGS, DECODER_ARGS, and *_S time limits)
+# TEST_ARGS defaults to the default test run; the GPU tests alone: TEST_ARGS="-m gpu tests".
 # Each step has its own time limit so one slow step cannot starve the others.
 set -u
 OUT=${OUT:-/tmp/na3d-out}
