@@ -2,6 +2,7 @@
 # One GPU session: tune (optional), benchmark, GPU tests. Logs and results go to $OUT.
 #   bash benchmarks/gpu_session.sh [wheels] [tune] [bench] [test] [decoder]
 # (env: NA3D_COMMIT, TUNE_ARGS, BENCH_ARGS, TEST_ARGS, DECODER_ARGS, and *_S time limits)
+# TEST_ARGS defaults to the default test run; the GPU tests alone: TEST_ARGS="-m gpu tests".
 # Each step has its own time limit so one slow step cannot starve the others.
 set -u
 OUT=${OUT:-/tmp/na3d-out}
@@ -18,7 +19,7 @@ if [[ -d .whl && $steps == *" wheels "* ]]; then
   python3 -c "import diffusers; print('diffusers', diffusers.__version__)"
 fi
 if [[ $steps == *" tune "* ]]; then
-  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tune --write --log "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
+  echo "=== tune"; timeout ${TUNE_S:-240} python3 -m na3d.tools.tune --write --log "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
   echo "tune rc=$?"; grep -E "bucket|WRONG|failed|budget" "$OUT/tune.log" | tail -30
   cp src/na3d/configs/sm90.json "$OUT/sm90.json"
 fi
@@ -31,6 +32,6 @@ if [[ $steps == *" test "* ]]; then
   echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
 fi
 if [[ $steps == *" decoder "* ]]; then
-  echo "=== decoder"; timeout ${DECODER_S:-120} python3 -m na3d.bench_decoder ${DECODER_ARGS:-} > "$OUT/decoder.log" 2>&1
+  echo "=== decoder"; timeout ${DECODER_S:-120} python3 -m na3d.tools.bench_decoder ${DECODER_ARGS:-} > "$OUT/decoder.log" 2>&1
   echo "decoder rc=$?"; tail -8 "$OUT/decoder.log"
 fi

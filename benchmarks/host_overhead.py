@@ -10,7 +10,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "src")]
 import torch
 import na3d
 from na3d import launch
-from na3d.bench import Timer
+from na3d.tools.common import Timer
 
 dev = torch.device("cuda")
 timer = Timer(dev)
@@ -48,7 +48,7 @@ report("fresh")
 if "--fresh-only" in sys.argv:
     sys.exit(0)
 from torch.nn.attention.flex_attention import flex_attention
-from na3d.flex_baseline import neighborhood_block_mask, to_flex_layout
+from na3d.tools.flex_baseline import neighborhood_block_mask, to_flex_layout
 torch._dynamo.reset()
 bm = neighborhood_block_mask(shape[1:4], ks, 128, device=dev)
 fq, fk, fv = (to_flex_layout(x) for x in (q, k, v))

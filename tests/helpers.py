@@ -1,9 +1,12 @@
-"""Shared test helpers: input layouts, the derived-tolerance comparison, poisoning."""
+"""Shared test helpers: input layouts, the derived-tolerance comparison, poisoning,
+random feature configurations, a tiny LTX-2.5 decoder config."""
 
 from __future__ import annotations
 
 import math
+import random
 
+import pytest
 import torch
 
 import na3d
@@ -63,6 +66,14 @@ def assert_matches_oracle(out, q, k, v, kernel_size, scale, dilation=(1, 1, 1), 
     tol = tolerance(q, k, v, kernel_size, scale, oracle, dilation, is_causal, stride)
     assert err <= tol, f"max abs error {err:.3e} > tolerance {tol:.3e}"
     return err
+
+
+def slow_except(cases, keep, ids=None):
+    """``cases`` for ``pytest.mark.parametrize`` (each a tuple of the argument values),
+    every case whose index is not in ``keep`` marked ``slow``: the default run takes a
+    representative few, CI all of them. ``ids``: one per case, or None for pytest's."""
+    return [pytest.param(*case, marks=() if i in keep else pytest.mark.slow, id=None if ids is None else str(ids[i]))
+            for i, case in enumerate(cases)]
 
 
 def poisoned_like(x):
@@ -160,3 +171,42 @@ def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad
         assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"
         errors[name] = err
     return errors
+
+
+def random_config(seed, max_len=9, min_kernel=1):
+    """(shape, kv_heads, kernel, dilation, causal, stride) with kernel * dilation <= size
+    and 1 <= stride <= kernel per axis."""
+    rng = random.Random(seed)
+    spatial, kernel, dilation, causal, stride = [], [], [], [], []
+    for _ in range(3):
+        d = rng.choice([1, 1, 2, 3])
+        k = rng.randint(min_kernel, 4)
+        L = rng.randint(k * d, max(k * d, max_len))
+        spatial.append(L)
+        kernel.append(k)
+        dilation.append(d)
+        causal.append(rng.random() < 0.4)
+        stride.append(rng.randint(1, k) if rng.random() < 0.5 else 1)
+    kv_heads = rng.choice([1, 2])
+    heads = kv_heads * rng.choice([1, 2])
+    shape = (rng.choice([1, 2]), *spatial, heads, 16)
+    return shape, kv_heads, tuple(kernel), tuple(dilation), tuple(causal), tuple(stride)
+
+
+# A small LTX-2.5 diffusion decoder (diffusers' LTX2VideoDiffusionDecoderModel), but
+# complete: every stage, multi-head attention (head_dim 16: the RoPE splits it 4/6/6
+# over T/H/W), kernels shifted inward along every axis, one of size 1, and non-cubic
+# ones. The stage grids are 4x2x3, 4x4x6, 7x4x6, 13x8x12 and, at stage 5, 9x16x24 for
+# a latent of 1x8x2x2x3.
+TINY_CONFIG = dict(
+    latent_channels=8,
+    patch_size=2,
+    decoder_head_dim=16,
+    decoder_stage_channels=(64, 32, 32, 32, 32),
+    decoder_stage_depths=(1, 1, 1, 1, 2),
+    decoder_stage_kernels=((3, 1, 3), (3, 3, 5), (3, 3, 3), (3, 3, 3)),
+    decoder_upsample_channel_reductions=(2, 1, 1, 1),
+    decoder_stage5_kernel=(5, 5, 7),
+    decoder_t_emb_dim=32,
+    spatial_compression_ratio=16,
+)

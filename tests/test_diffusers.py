@@ -11,7 +11,7 @@ active), because the interpreter, active in the test session (conftest.py), woul
 minutes at these grids. The Triton kernel itself, in the interpreter, runs in
 ``test_block_runs_the_kernel_on_the_projected_views`` (on the very views
 ``project_qkv`` returns), in the processor-level tests and, through a whole tiny
-decoder, in ``test_decoder_row_on_cpu``. On the CPU FlexAttention runs eagerly and has
+decoder, in ``tools/test_bench_decoder.py``. On the CPU FlexAttention runs eagerly and has
 no backward, so every decode is under ``torch.no_grad()``.
 
 GPU tests (``-m gpu``, skipped without CUDA): one full-size block of each decoder stage,
@@ -40,25 +40,9 @@ from diffusers.models.autoencoders.ltx2_diffusion_decoder import (  # noqa: E402
 import na3d  # noqa: E402
 import na3d.diffusers as na3d_diffusers  # noqa: E402
 from na3d import geometry, launch  # noqa: E402
-from na3d.bench_decoder import decoder_row  # noqa: E402
 from na3d.diffusers import NA3DProcessor, use_na3d  # noqa: E402
+from helpers import TINY_CONFIG  # noqa: E402
 
-# Small but complete: every stage, multi-head attention (head_dim 16: the RoPE splits it
-# 4/6/6 over T/H/W), kernels shifted inward along every axis, one of size 1, and
-# non-cubic ones. The stage grids are 4x2x3, 4x4x6, 7x4x6, 13x8x12 and, at stage 5,
-# 9x16x24 for a latent of 1x8x2x2x3.
-TINY_CONFIG = dict(
-    latent_channels=8,
-    patch_size=2,
-    decoder_head_dim=16,
-    decoder_stage_channels=(64, 32, 32, 32, 32),
-    decoder_stage_depths=(1, 1, 1, 1, 2),
-    decoder_stage_kernels=((3, 1, 3), (3, 3, 5), (3, 3, 3), (3, 3, 3)),
-    decoder_upsample_channel_reductions=(2, 1, 1, 1),
-    decoder_stage5_kernel=(5, 5, 7),
-    decoder_t_emb_dim=32,
-    spatial_compression_ratio=16,
-)
 TINY_LATENT = (1, 8, 2, 2, 3)
 NUM_TINY_ATTENTIONS = 6  # one block per deterministic stage, two diffusion blocks
 # Tiles in pixels: 6 frames x 16 x 16 every 4 x 12 x 12, i.e. 2 x 2 x 3 overlapping tiles
@@ -343,45 +327,6 @@ def test_instance_guard_when_the_mask_builder_does_not_skip():
 
 
 # ---------------------------------------------------------------------------------------
-# The decoder benchmark's logic, on a tiny config
-# ---------------------------------------------------------------------------------------
-
-# Tiny grids throughout (stage 5: 1 x 16 x 16), so na3d's interpreted kernel is quick.
-BENCH_CONFIG = dict(TINY_CONFIG, decoder_stage_kernels=((3, 1, 1), (3, 3, 3), (3, 3, 3), (3, 3, 3)),
-                    decoder_stage5_kernel=(1, 3, 3))
-
-
-def test_decoder_row_on_cpu():
-    row = decoder_row("cpu", latent_shape=(1, 8, 1, 2, 2), dtype=torch.float32, warmup=0, repeats=1,
-                      tiling=False, config=BENCH_CONFIG, log=lambda msg: None)
-    assert row["name"] == "ltx-decoder" and row["pass"] == "e2e" and row["shape"] == [1, 8, 1, 2, 2]
-    assert row["errors"] == {}, row["errors"]
-    assert set(row["ms"]) == {"na3d", "noattn", "sdpa_exact", "flex"}
-    assert row["peak_gib"] == {}  # CUDA only
-    assert row["output_shape"] == [1, 3, 1, 32, 32]
-    assert row["attn_share"] == pytest.approx((row["ms"]["na3d"] - row["ms"]["noattn"]) / row["ms"]["na3d"], abs=1e-3)
-    for method in ("na3d", "flex"):
-        assert row["max_abs_diff_vs_sdpa_exact"][method] < 1e-4
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_decoder_benchmark_without_gpu_says_so(capsys):
-    from na3d.bench_decoder import main
-
-    assert main([]) == 0
-    assert "No GPU found" in capsys.readouterr().out
-
-
-def test_decoder_row_rejects_wrong_arguments():
-    with pytest.raises(ValueError, match="methods"):
-        decoder_row("cpu", methods=["natten"])
-    with pytest.raises(ValueError, match="repeats"):
-        decoder_row("cpu", repeats=0)
-    with pytest.raises(ValueError, match="latent_shape"):
-        decoder_row("cpu", latent_shape=(1, 128, 16, 16))
-
-
-# ---------------------------------------------------------------------------------------
 # GPU: full-size blocks of every stage, and the full decoder
 # ---------------------------------------------------------------------------------------
 
@@ -461,7 +406,7 @@ def test_full_size_decoder_bf16_matches_exact_reference(monkeypatch):
     reference is the same decoder with the exact grouped-SDPA processor, in float32
     and bf16; na3d's bf16 error must stay within twice the reference's own.
     """
-    from na3d.bench_decoder import _processors, build_decoder
+    from na3d.tools.bench_decoder import build_decoder, method_processors
 
     device = torch.device("cuda")
     model32 = build_decoder(device, torch.float32)
@@ -478,7 +423,7 @@ def test_full_size_decoder_bf16_matches_exact_reference(monkeypatch):
         if processor == "na3d":
             use_na3d(model)
         else:
-            use_na3d(model, _processors()[processor])
+            use_na3d(model, method_processors()[processor])
         with torch.inference_mode():
             context = decoder.forward_stage_4(decoder.forward_stages_1_to_3(latent.to(dtype)))
             if noise is None:

@@ -1,13 +1,16 @@
-"""The grouped-SDPA reference against the brute force, its memory budget and planner."""
+"""The references: the brute force against NATTEN, the grouped-SDPA reference against the
+brute force, its memory budget and planner."""
 
+import doctest
 import math
+import random
 
 import pytest
 import torch
 
 import na3d
 from na3d import reference
-from helpers import make_qkv
+from helpers import make_qkv, random_config
 
 SHAPES = [
     # (B, T, H, W, NH, HD), kernel
@@ -18,6 +21,19 @@ SHAPES = [
     ((3, 5, 5, 5, 1, 16), (5, 5, 5)),
     ((1, 1, 1, 13, 1, 8), (1, 1, 13)),
 ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_oracle_equals_natten(seed):
+    natten = pytest.importorskip("natten")
+    shape, kv_heads, kernel, dilation, _, stride = random_config(100 + seed, min_kernel=2)  # NATTEN rejects 1
+    causal = tuple(random.Random(seed).choice([False, True]) for _ in range(3))
+    q, k, v = make_qkv(shape, torch.float32, seed=seed)
+    k, v = k[..., :kv_heads, :], v[..., :kv_heads, :]
+    want = natten.na3d(q, k, v, kernel_size=kernel, dilation=dilation, is_causal=causal, stride=stride)
+    got = na3d.na3d_brute_force(q, k, v, kernel, dilation=dilation, is_causal=causal, compute_dtype=torch.float64,
+                                stride=stride)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape,kernel", SHAPES)
@@ -103,8 +119,13 @@ def test_masks_are_not_cached_across_calls():
         assert fn.cache_info().maxsize is not None
 
 
+@pytest.mark.slow
 def test_sdpa_exact_differentiates():
     q, k, v = make_qkv((1, 3, 4, 5, 2, 8), torch.float64, seed=5)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     assert torch.autograd.gradcheck(
         lambda a, b, c: reference.na3d_sdpa_exact(a, b, c, (3, 3, 3)), (q, k, v), eps=1e-6, atol=1e-6)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(reference).failed == 0

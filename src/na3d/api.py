@@ -1,4 +1,5 @@
-"""Public API: argument normalization, validation and dispatch.
+"""Public API: argument normalization, validation, and dilation and grouped-query
+attention composed from the base kernel (:func:`na3d.ops.dispatch` picks the path).
 
 Every check runs before anything is launched; a bad argument raises ``ValueError``
 or ``TypeError`` naming the argument, its value and what is allowed.
@@ -12,8 +13,6 @@ Dispatch by device:
   (:func:`na3d.reference.na3d_sdpa_exact`), so results are right without a GPU.
 """
 
-from __future__ import annotations
-
 import itertools
 import math
 import numbers
@@ -22,15 +21,18 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from . import launch, ops, reference
 from .merge import merge_attentions
+# The path a validated call takes (kernels, their operator, or the reference) is
+# chosen in ops; the composition below (dilation groups, key/value heads) calls it.
+from .ops import dispatch as _run
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z (heads, batch)
 
-IntOrTriple = Union[int, Sequence[int]]
-BoolOrTriple = Union[bool, Sequence[bool]]
+# Per-axis arguments: one value for every axis, or a tuple of one per axis ((T, H, W) for na3d).
+IntOrTuple = Union[int, Sequence[int]]
+BoolOrTuple = Union[bool, Sequence[bool]]
 
 
 def _is_bool(x) -> bool:
@@ -97,7 +99,7 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
         raise ValueError(f"batch ({B}) and heads ({NH}) must each be at most {MAX_GRID_YZ}")
 
 
-def _check_kernel_size(kernel_size: IntOrTriple, dilation: IntOrTriple,
+def _check_kernel_size(kernel_size: IntOrTuple, dilation: IntOrTuple,
                        spatial: Sequence[int]) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
     """Kernel sizes and dilations as triples, checked against the grid ``spatial``.
     An empty grid (some axis of length 0) has no windows to check: only the
@@ -114,7 +116,7 @@ def _check_kernel_size(kernel_size: IntOrTriple, dilation: IntOrTriple,
     return ks, dil
 
 
-def _check_stride(stride: IntOrTriple, kernel_size: Sequence[int]) -> Tuple[int, int, int]:
+def _check_stride(stride: IntOrTuple, kernel_size: Sequence[int]) -> Tuple[int, int, int]:
     st = _triple(stride, "stride", int)
     for axis, s, k in zip("THW", st, kernel_size):
         if not 1 <= s <= k:
@@ -133,67 +135,89 @@ def _empty_result(query, key, value, return_lse: bool):
     return out, torch.zeros(query.shape[:-1], dtype=torch.float32, device=query.device) + tie.float()
 
 
-def _run(query, key, value, kernel_size, causal, stride, scale: float, return_lse: bool):
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
-        if not needs_grad and not torch.compiler.is_compiling():
-            # Inference, eager: launch directly. The operator's dispatch (schema
-            # checks, autograd and fake-tensor plumbing) costs tens of microseconds
-            # per call, as much as a small problem's kernel.
-            out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
-                                           is_causal=causal, stride=stride)
-            return (out, lse) if return_lse else out
-        if ops.eager(query, key, value):
-            # Training, eager: autograd without the operator's dispatch (see ops.EagerAttention).
-            out, lse = ops.EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
-                                                tuple(stride))
-            return (out, lse) if return_lse else out
-        # Traced (torch.compile): the operator. The log-sum-exp is saved for the
-        # backward only when a gradient can flow.
-        out, lse = ops.forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
-                               list(causal), list(stride))
-        return (out, lse) if return_lse else out
-    return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
-                                     is_causal=causal, stride=stride)
-
-
 def na3d(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kernel_size: IntOrTriple,
-    stride: IntOrTriple = 1,
-    dilation: IntOrTriple = 1,
-    is_causal: BoolOrTriple = False,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple = 1,
+    dilation: IntOrTuple = 1,
+    is_causal: BoolOrTuple = False,
     scale: Optional[float] = None,
     additional_keys: Optional[torch.Tensor] = None,
     additional_values: Optional[torch.Tensor] = None,
     return_lse: bool = False,
-):
-    """3D neighborhood attention with NATTEN's signature and semantics.
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """3D neighborhood attention: each query attends to the ``KT x KH x KW`` keys around it.
 
-    ``query``, ``key``, ``value``: ``(B, T, H, W, NH, HD)``, any strides with innermost
-    stride 1. Each query attends to the ``KT x KH x KW`` keys of its window, shifted
-    inward at the borders (``natten.na3d``'s definition). ``scale=None`` means
-    ``HD ** -0.5``. Returns the output (query's shape and dtype) and, with
-    ``return_lse=True``, also the natural-log logsumexp ``(B, T, H, W, NH)`` float32.
+    ``natten.na3d``'s signature and definition. Along an axis of length ``L`` with
+    kernel ``K``, query ``i`` sees keys ``[s, s + K)`` with
+    ``s = clamp(i - K // 2, 0, L - K)``: centered where possible, shifted inward at the
+    borders, so every query sees exactly ``K`` keys; the 3D window is the product of
+    the three. Per-axis arguments (int or 3-tuple) are in ``(T, H, W)`` order; Python
+    and NumPy scalars are accepted alike.
 
-    Differentiable (Triton backward kernels; the CPU reference through autograd),
-    and a ``torch.library`` op, so ``torch.compile`` and CUDA graphs take it.
+    Args:
+        query: ``(B, T, H, W, NH, HD)``; dtype bfloat16, float16 or float32 (fp32
+            accumulation always); ``HD`` a multiple of 8 from 8 to 256; ``B`` and
+            ``NH`` at most 65535. Any strides with innermost stride 1: views of a
+            fused QKV projection go in without copies.
+        key: ``(B, T, H, W, NKV, HD)``, query's dtype and device. ``NKV`` divides
+            ``NH`` (grouped-query attention: query head ``n`` uses key/value head
+            ``n // (NH // NKV)``).
+        value: key's shape, query's dtype and device.
+        kernel_size: ``K`` per axis, ``1 <= K`` and ``K * dilation <= size`` (T, H or
+            W). Odd or even: an even ``K`` puts ``K // 2`` keys left of the center
+            and ``K // 2 - 1`` right.
+        stride: ``1 <= stride <= kernel_size`` per axis: each group of ``stride``
+            consecutive queries shares the window of its center (the right one for
+            an even stride), or of its last query on a causal axis. The output keeps
+            the input's size.
+        dilation: ``d >= 1`` per axis: the axis splits into ``d`` groups by
+            ``index % d`` and attention runs inside each.
+        is_causal: bool per axis: a causal axis sees the ``K`` positions ending at
+            the query, ``[i - K + 1, i]`` clipped at 0 (fewer keys near the start),
+            e.g. ``(True, False, False)`` for causal time.
+        scale: multiplies ``query @ key^T``; any finite float, ``None`` for
+            ``HD ** -0.5``.
+        additional_keys: optional ``(B, S, NKV, HD)``, query's dtype and device,
+            ``S >= 1``: tokens every query also attends to (text, registers), merged
+            with the neighborhood through the log-sum-exps. Given together with
+            ``additional_values`` (same shape).
+        additional_values: see ``additional_keys``.
+        return_lse: also return each query's natural-log log-sum-exp of its scores.
 
-    ``dilation`` (NATTEN's: axes split into groups by ``index % d``), ``is_causal``
-    per axis (a causal axis sees the ``K`` positions ending at the query, clipped at
-    0), even kernel sizes (``K // 2`` keys left of the center, ``K // 2 - 1`` right)
-    grouped-query attention (``key``/``value`` with fewer heads, a divisor of the
-    query's) and ``stride`` (NATTEN's: the queries of each group of ``stride`` along
-    an axis share the window of the group's center, or of its last query on a causal
-    axis; ``1 <= stride <= kernel_size``; the output keeps the input's size) are
-    supported, and so are NATTEN's ``additional_keys``/``additional_values``
-    (``(B, S, NKV, HD)`` tokens every query also attends to, e.g. text or registers:
-    dense attention over them merged with the neighborhood through the
-    log-sum-exps). Causal masks and strides are in the kernels; dilation and GQA are
-    composed from the dilation-1, equal-heads kernel (one launch per dilation group
-    and per key/value head, inputs as strided views).
+    Returns:
+        ``out``: a new contiguous tensor of query's shape and dtype; with
+        ``return_lse=True``, ``(out, lse)`` with ``lse`` float32 ``(B, T, H, W, NH)``.
+        Differentiable with respect to query, key, value and the additional tokens,
+        through ``out`` and ``lse``. An empty batch or grid (``B == 0`` or an axis of
+        length 0) gives empty results (and empty gradients).
+
+    Raises:
+        TypeError, ValueError: before anything runs, naming the argument: not a
+            tensor, wrong rank, shapes, dtypes or devices that disagree, an
+            unsupported dtype or head dim, no heads (``NH`` or ``NKV`` 0), innermost
+            stride not 1, a kernel size, stride or dilation out of range, a
+            non-finite scale.
+
+    Devices: CUDA (and ROCm) tensors run the Triton kernels, forward and backward;
+    ``torch.compile(fullgraph=True)`` and CUDA graphs take them as they are. CPU
+    tensors run the same kernels in the Triton interpreter when ``TRITON_INTERPRET=1``
+    was set before ``import na3d``, and otherwise the exact PyTorch reference
+    (:func:`na3d.na3d_sdpa_exact`, differentiable through autograd).
+
+    Non-finite inputs: see the README's "non-finite inputs" row (Supported, and not
+    yet).
+
+    Example:
+        >>> import torch, na3d
+        >>> q, k, v = (torch.randn(1, 4, 6, 8, 2, 16) for _ in range(3))
+        >>> na3d.na3d(q, k, v, kernel_size=(3, 3, 5)).shape
+        torch.Size([1, 4, 6, 8, 2, 16])
+        >>> out, lse = na3d.na3d(q, k, v, 3, is_causal=(True, False, False), return_lse=True)
+        >>> lse.shape, lse.dtype
+        (torch.Size([1, 4, 6, 8, 2]), torch.float32)
     """
     _check_tensors(query, key, value)
     ks, dil = _check_kernel_size(kernel_size, dilation, query.shape[1:4])
@@ -318,11 +342,29 @@ def _grouped_heads(q, k, v, kernel_size, causal, stride, scale: float, return_ls
     return torch.cat(parts, 4)
 
 
-def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTriple) -> torch.Tensor:
-    """3D neighborhood attention on pre-scaled queries (scale 1.0).
+def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTuple) -> torch.Tensor:
+    """3D neighborhood attention on pre-scaled queries: :func:`na3d` with ``scale=1.0``.
 
-    The seed API of the LTX-2.5 decoder: ``q`` already multiplied by ``HD ** -0.5``.
-    Same layout, windows and device policy as :func:`na3d`.
+    The LTX-2.5 decoder's call: ``q`` already multiplied by ``HD ** -0.5``.
+
+    Args:
+        q: ``(B, T, H, W, NH, HD)``, pre-scaled; dtype bfloat16, float16 or float32;
+            ``HD`` a multiple of 8 from 8 to 256; innermost stride 1.
+        k: ``(B, T, H, W, NKV, HD)`` with ``NKV`` dividing ``NH``; q's dtype and device.
+        v: k's shape, q's dtype and device.
+        kernel_size: int or ``(KT, KH, KW)``, ``1 <= K <= size`` per axis.
+
+    Returns:
+        The output, q's shape and dtype; differentiable.
+
+    Errors, devices and non-finite inputs: as :func:`na3d`.
+
+    Example:
+        >>> import torch, na3d
+        >>> q, k, v = (torch.randn(1, 4, 6, 8, 2, 16) for _ in range(3))
+        >>> out = na3d.na3d_flash_attn(q * 16 ** -0.5, k, v, (3, 3, 5))
+        >>> torch.allclose(out, na3d.na3d(q, k, v, (3, 3, 5)), atol=1e-6)
+        True
     """
     return na3d(q, k, v, kernel_size, scale=1.0)
 
@@ -350,23 +392,84 @@ def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_
     return result[drop]
 
 
-def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         additional_keys=None, additional_values=None, return_lse=False):
-    """1D neighborhood attention on ``(B, L, NH, HD)`` tensors, ``natten.na1d``'s signature.
+def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: IntOrTuple,
+         stride: IntOrTuple = 1, dilation: IntOrTuple = 1, is_causal: BoolOrTuple = False,
+         scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+         additional_values: Optional[torch.Tensor] = None,
+         return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """1D neighborhood attention over a sequence, ``natten.na1d``'s signature.
 
-    Runs the 3D kernels on ``(B, 1, 1, L, NH, HD)`` views; same semantics, support and
-    errors as :func:`na3d`.
+    Query ``i`` of a sequence of length ``L`` sees keys ``[s, s + K)``,
+    ``s = clamp(i - K // 2, 0, L - K)``. Runs :func:`na3d`'s kernels on
+    ``(B, 1, 1, L, NH, HD)`` views (no copies).
+
+    Args:
+        query: ``(B, L, NH, HD)``; dtype bfloat16, float16 or float32; ``HD`` a
+            multiple of 8 from 8 to 256; innermost stride 1.
+        key: ``(B, L, NKV, HD)`` with ``NKV`` dividing ``NH``; query's dtype, device.
+        value: key's shape.
+        kernel_size: int (or a 1-tuple), ``1 <= K`` and ``K * dilation <= L``.
+        stride: ``1 <= stride <= kernel_size``: groups of ``stride`` queries share a
+            window.
+        dilation: ``>= 1``.
+        is_causal: a causal sequence sees ``[i - K + 1, i]`` clipped at 0.
+        scale: any finite float; ``None`` for ``HD ** -0.5``.
+        additional_keys: optional ``(B, S, NKV, HD)`` tokens every query also attends
+            to, given with ``additional_values`` of the same shape.
+        additional_values: see ``additional_keys``.
+        return_lse: also return the float32 log-sum-exp ``(B, L, NH)``.
+
+    Returns:
+        ``out`` (query's shape and dtype), or ``(out, lse)``; differentiable.
+
+    Errors, devices and non-finite inputs: as :func:`na3d` (errors name
+    ``na1d``'s layout).
+
+    Example:
+        >>> import torch, na3d
+        >>> x = torch.randn(2, 50, 4, 32)
+        >>> na3d.na1d(x, x, x, kernel_size=7, is_causal=True).shape
+        torch.Size([2, 50, 4, 32])
     """
     return _lower_rank("na1d", 4, "(B, L, NH, HD)", query, key, value, kernel_size, stride, dilation,
                        is_causal, scale, return_lse, additional_keys, additional_values)
 
 
-def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         additional_keys=None, additional_values=None, return_lse=False):
-    """2D neighborhood attention on ``(B, X, Y, NH, HD)`` tensors, ``natten.na2d``'s signature.
+def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: IntOrTuple,
+         stride: IntOrTuple = 1, dilation: IntOrTuple = 1, is_causal: BoolOrTuple = False,
+         scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+         additional_values: Optional[torch.Tensor] = None, return_lse: bool = False,
+         ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """2D neighborhood attention over an image, ``natten.na2d``'s signature.
 
-    Runs the 3D kernels on ``(B, 1, X, Y, NH, HD)`` views; same semantics, support and
-    errors as :func:`na3d`.
+    Each query sees the ``KX x KY`` keys around it, windows shifted inward at the
+    borders. Runs :func:`na3d`'s kernels on ``(B, 1, X, Y, NH, HD)`` views (no copies).
+    Per-axis arguments are an int or a pair in ``(X, Y)`` order. Errors, devices and
+    non-finite inputs: as :func:`na3d` (errors name ``na2d``'s layout).
+
+    Args:
+        query: ``(B, X, Y, NH, HD)``; dtype bfloat16, float16 or float32; ``HD`` a
+            multiple of 8 from 8 to 256; innermost stride 1.
+        key: ``(B, X, Y, NKV, HD)`` with ``NKV`` dividing ``NH``; query's dtype and
+            device.
+        value: key's shape.
+        kernel_size: per axis ``1 <= K`` and ``K * dilation <= size``.
+        stride: per axis ``1 <= stride <= kernel_size``.
+        dilation: per axis ``>= 1``.
+        is_causal: per axis.
+        scale: any finite float; ``None`` for ``HD ** -0.5``.
+        additional_keys: optional ``(B, S, NKV, HD)``, with ``additional_values``.
+        additional_values: see ``additional_keys``.
+        return_lse: also return the float32 log-sum-exp ``(B, X, Y, NH)``.
+
+    Returns:
+        ``out`` (query's shape and dtype), or ``(out, lse)``; differentiable.
+
+    Example:
+        >>> import torch, na3d
+        >>> img = torch.randn(1, 12, 16, 2, 32)
+        >>> na3d.na2d(img, img, img, kernel_size=(3, 5), dilation=(1, 2)).shape
+        torch.Size([1, 12, 16, 2, 32])
     """
     return _lower_rank("na2d", 5, "(B, X, Y, NH, HD)", query, key, value, kernel_size, stride, dilation,
                        is_causal, scale, return_lse, additional_keys, additional_values)

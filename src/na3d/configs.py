@@ -3,8 +3,9 @@
 ``configs/<arch>.json`` (``sm90``, ``gfx942``, ...) lists buckets in order; the first
 bucket whose ``when`` conditions hold for a call gives its tile shapes, ``num_warps``
 and ``num_stages`` (or one of the bucket's ``alternatives``, where its tiles issue
-fewer products on the call's grid: see ``_options``). ``configs/default.json``
-serves any architecture without a table of its own. ``python -m na3d.tune`` regenerates a table from measurements.
+fewer products on the call's grid: see ``bucket_options``). ``configs/default.json``
+serves any architecture without a table of its own. ``python -m na3d.tools.tune``
+regenerates a table from measurements.
 
 Tiles are then fitted to the input: a tile dimension at least twice the grid
 dimension it covers would idle half its lanes, so it is halved and the factor moved
@@ -143,7 +144,8 @@ def load_table(arch: str) -> dict:
     return json.loads(path.read_text())
 
 
-def _matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch.dtype) -> bool:
+def matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether a table entry's ``when`` conditions hold for a call (an empty ``when`` always does)."""
     volume = math.prod(kernel_size)
     checks = {
         "head_dim_max": lambda x: head_dim <= x,
@@ -161,7 +163,7 @@ def _matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch
     return True
 
 
-def _fit(tile: Sequence[int], extents: Sequence[int]) -> Triple:
+def fit_tile(tile: Sequence[int], extents: Sequence[int]) -> Triple:
     """Move factors of two from tile dimensions far larger than their extent to others."""
     tile = list(tile)
     for _ in range(32):
@@ -191,14 +193,14 @@ def forward_config(
     """
     table = load_table(arch)
     for entry in table["forward"]:
-        if _matches(entry.get("when", {}), head_dim, kernel_size, dtype):
+        if matches(entry.get("when", {}), head_dim, kernel_size, dtype):
             break
     else:
         raise ValueError(f"config table for {arch} has no bucket for head_dim={head_dim}, "
                          f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
     best = None
-    for name, option in _options(entry):
-        if not _matches(option.get("when", {}), head_dim, kernel_size, dtype):
+    for name, option in bucket_options(entry):
+        if not matches(option.get("when", {}), head_dim, kernel_size, dtype):
             continue
         q_tile, kv_tile = fitted_tiles(option["q_tile"], option["kv_tile"], shape, kernel_size)
         ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile)
@@ -211,10 +213,10 @@ def forward_config(
 
 def fitted_tiles(q_tile: Sequence[int], kv_tile: Sequence[int], shape: Triple,
                  kernel_size: Triple) -> Tuple[Triple, Triple]:
-    """A query box and the key box it scans, fitted to ``shape`` (see :func:`_fit`):
+    """A query box and the key box it scans, fitted to ``shape`` (see :func:`fit_tile`):
     the key box to the union of the fitted query box's windows."""
-    q_tile = _fit(q_tile, shape)
-    return q_tile, _fit(kv_tile, [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)])
+    q_tile = fit_tile(q_tile, shape)
+    return q_tile, fit_tile(kv_tile, [min(L, q + K - 1) for L, q, K in zip(shape, q_tile, kernel_size)])
 
 
 # An alternative replaces the option before it only if it issues at least 5 % fewer
@@ -223,7 +225,7 @@ def fitted_tiles(q_tile: Sequence[int], kv_tile: Sequence[int], shape: Triple,
 ALTERNATIVE_MARGIN = 0.95
 
 
-def _options(entry: Dict):
+def bucket_options(entry: Dict):
     """A bucket's configurations as ``(bucket name, entry)``: the entry itself, then
     its ``alternatives`` (same keys, plus a ``name``), named ``bucket/name``. An
     alternative may narrow its bucket's ``when`` with its own (a register cap sized
@@ -260,7 +262,7 @@ def backward_config(
     table = load_table(arch)
     entry = {}
     for candidate in table["forward"]:
-        for name, option in _options(candidate):
+        for name, option in bucket_options(candidate):
             if name == fwd.bucket:
                 # An alternative without a backward entry of its own takes its bucket's.
                 entry = option if "backward" in option else dict(option, backward=candidate.get("backward"))
@@ -272,15 +274,15 @@ def backward_config(
 
 
 def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "explicit") -> BackwardConfig:
-    """A table's ``backward`` entry, its tiles fitted to ``shape`` (see :func:`_fit`).
+    """A table's ``backward`` entry, its tiles fitted to ``shape`` (see :func:`fit_tile`).
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``.
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
-    k_box = _fit(bwd["dkdv"][0], shape)
-    q_box = _fit(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
+    k_box = fit_tile(bwd["dkdv"][0], shape)
+    q_box = fit_tile(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),

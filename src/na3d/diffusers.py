@@ -3,7 +3,8 @@
     from na3d.diffusers import use_na3d
     use_na3d(decoder_model)   # or a pipeline, or any module containing the decoder
 
-Needs ``diffusers>=0.42`` (``pip install "na3d[diffusers]"``); the core ``na3d``
+Needs ``diffusers>=0.42`` (the ``diffusers`` extra: ``pip install -e ".[diffusers]"`` in a
+clone, or ``pip install "<wheel>[diffusers]"``); the core ``na3d``
 package never imports diffusers, only this module does.
 
 What diffusers does, and what this module relies on
@@ -33,21 +34,20 @@ What diffusers does, and what this module relies on
   (never the diffusers class or module globally).
 """
 
-from __future__ import annotations
-
 import logging
 import types
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 try:
+    from diffusers import DiffusionPipeline
     from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoVaeNeighborhoodAttention
 except ImportError as error:  # diffusers missing, or older than the LTX-2.5 decoder
     raise ImportError(
         "na3d.diffusers needs diffusers>=0.42 (the LTX-2.5 diffusion decoder, "
-        "diffusers.models.autoencoders.ltx2_diffusion_decoder): pip install 'na3d[diffusers]'"
+        "diffusers.models.autoencoders.ltx2_diffusion_decoder): pip install 'diffusers>=0.42'"
     ) from error
 
 from .api import na3d_flash_attn
@@ -71,7 +71,17 @@ class NA3DProcessor:
     Triton kernels; the CPU runs the exact PyTorch reference or, with
     ``TRITON_INTERPRET=1``, the kernels in the Triton interpreter. Unlike diffusers' flex
     processor on the CPU, it is differentiable there. Dtypes: bfloat16, float16, float32
-    (a float64 decoder raises ``TypeError``); head_dim a multiple of 8 up to 256.
+    (a float64 decoder raises ``TypeError``); head_dim a multiple of 8 from 8 to 256.
+    Non-finite inputs: see the README's "non-finite inputs" row.
+
+    Called by diffusers as ``processor(attn, hidden_states, block_mask)``: ``attn`` an
+    ``LTX2VideoVaeNeighborhoodAttention``, ``hidden_states`` channels-last
+    ``(B, T, H, W, C)``, ``block_mask`` None (a FlexAttention mask raises
+    ``ValueError``: na3d computes the window itself). Returns ``(B, T, H, W, C)``.
+
+    Example::
+
+        decoder.set_attn_processor(NA3DProcessor())   # what use_na3d(decoder) installs
 
     The processor holds no state, so one instance can serve every module.
     ``model.set_attention_backend(...)`` does not apply to it (it has no
@@ -83,7 +93,7 @@ class NA3DProcessor:
 
     def __call__(
         self,
-        attn: "LTX2VideoVaeNeighborhoodAttention",
+        attn: LTX2VideoVaeNeighborhoodAttention,
         hidden_states: torch.Tensor,
         block_mask=None,
     ) -> torch.Tensor:
@@ -115,7 +125,7 @@ class NA3DProcessor:
         return f"{type(self).__name__}()"
 
 
-def _mask_builder_skips(module: "LTX2VideoVaeNeighborhoodAttention") -> bool:
+def _mask_builder_skips(module: LTX2VideoVaeNeighborhoodAttention) -> bool:
     """Whether ``module.build_block_mask`` returns ``None`` for its current processor.
 
     The probe is a meta tensor of the smallest valid grid: diffusers 0.42 returns
@@ -129,7 +139,7 @@ def _mask_builder_skips(module: "LTX2VideoVaeNeighborhoodAttention") -> bool:
         return False
 
 
-def _guard_mask_builder(module: "LTX2VideoVaeNeighborhoodAttention") -> None:
+def _guard_mask_builder(module: LTX2VideoVaeNeighborhoodAttention) -> None:
     """Make this instance's ``build_block_mask`` return ``None`` while it runs an NA3DProcessor.
 
     An instance attribute shadowing the class method, on this module only. Any other
@@ -158,24 +168,43 @@ def _modules_of(model) -> list:
         f"LTX2VideoDiffusionDecoder3d) or a diffusers pipeline, got {type(model).__name__}")
 
 
-def use_na3d(model, processor: Optional[NA3DProcessor] = None) -> int:
+def use_na3d(model: Union[nn.Module, DiffusionPipeline], processor: Optional[NA3DProcessor] = None) -> int:
     """Switch every ``LTX2VideoVaeNeighborhoodAttention`` in ``model`` to na3d.
 
-    ``model``: an ``nn.Module`` containing the decoder's attention modules (an
-    ``LTX2VideoDiffusionDecoderModel``, its ``.decoder``, a single block...) or a
-    diffusers pipeline (e.g. ``LTX2VideoDiffusionDecodePipeline``; its module
-    components are searched). ``processor``: the :class:`NA3DProcessor` (or subclass)
-    instance to install, shared by all modules; default a new ``NA3DProcessor()``.
+    Args:
+        model: an ``nn.Module`` containing the decoder's attention modules (an
+            ``LTX2VideoDiffusionDecoderModel``, its ``.decoder``, a single block...)
+            or a diffusers pipeline (e.g. ``LTX2VideoDiffusionDecodePipeline``; its
+            module components are searched). Any device and dtype na3d supports
+            (bfloat16, float16, float32; a float64 decoder raises ``TypeError`` at
+            its first attention call).
+        processor: the :class:`NA3DProcessor` (or subclass) instance to install,
+            shared by all modules; default a new ``NA3DProcessor()``.
 
-    Returns the number of attention modules switched. A model without any raises
-    ``ValueError`` rather than returning 0: a switch that does nothing (say, passing the
-    convolutional ``AutoencoderKLLTX2Video``) would otherwise go unnoticed.
+    Returns:
+        The number of attention modules switched.
+
+    Raises:
+        ValueError: ``model`` contains no such module (a switch that does nothing,
+            say on the convolutional ``AutoencoderKLLTX2Video``, would otherwise go
+            unnoticed).
+        TypeError: ``model`` is neither a module nor a pipeline, or ``processor`` is
+            not an ``NA3DProcessor``.
 
     After the switch the decoder builds no FlexAttention ``BlockMask``: diffusers' own
     ``build_block_mask`` skips processors that are not its flex processor. This is
     checked per module, and a module whose builder would still build one gets an
     instance-level guard (see the module docstring). Switch back with
-    ``model.set_attn_processor(LTX2VideoVaeNeighborhoodAttnProcessor())``.
+    ``model.set_attn_processor(LTX2VideoVaeNeighborhoodAttnProcessor())``. Devices,
+    gradients and non-finite inputs: as :func:`na3d.na3d_flash_attn`.
+
+    Example (``examples/diffusers_decoder.py`` runs it on a tiny random decoder)::
+
+        decoder = LTX2VideoDiffusionDecoderModel.from_pretrained(path, torch_dtype=torch.bfloat16).to("cuda")
+        use_na3d(decoder)                    # returns the number of modules switched
+        decoder.enable_tiling()
+        with torch.no_grad():
+            video = decoder.decode(latent).sample
     """
     if processor is None:
         processor = NA3DProcessor()

@@ -116,7 +116,7 @@ def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequ
     is fixed, the others take ``MASK_BITS`` where the union fits the 31 bits of a
     per-query window mask, else ``MASK_PER_STEP``. With no fixed axis, or not
     ``enabled`` (the config's ``fixed_mask``), every axis is ``MASK_PER_STEP`` and the
-    kernel masks the scores as before (the configurations measured that way).
+    kernel masks the scores on every step.
 
     ``lengths``: the grid's ``(T, H, W)``. An axis no longer than the scanned box is
     fixed too, whatever the bound: every union lies inside the axis (a box that

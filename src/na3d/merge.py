@@ -7,8 +7,6 @@ log-sum-exps ``lse_i``, ``out = sum_i exp(lse_i - lse) * out_i`` and
 tokens (text, registers) or how partial results of a split computation are joined.
 """
 
-from __future__ import annotations
-
 from typing import Sequence, Tuple
 
 import torch
@@ -18,13 +16,42 @@ def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torc
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge attention outputs over disjoint key sets into the attention over their union.
 
-    ``outputs``: two or more tensors ``(..., NH, HD)`` of one shape and dtype (for
-    example na3d's ``(B, T, H, W, NH, HD)``); ``lse_tensors``: their natural-log
-    log-sum-exps ``(..., NH)`` (``return_lse=True``). Returns ``(output, lse)``: the
-    output in the inputs' dtype, the lse in float32. Arithmetic is float32; the
-    result is differentiable with respect to every output and lse (na3d's backward
-    takes the gradient of its lse), like ``natten.merge_attentions`` but for any
-    number of leading dimensions.
+    Like ``natten.merge_attentions``, for any number of leading dimensions: with
+    ``lse = log(sum_i exp(lse_i))``, ``out = sum_i exp(lse_i - lse) * out_i``, in
+    float32.
+
+    Args:
+        outputs: two or more tensors ``(..., NH, HD)`` of one shape, dtype and device
+            (for example na3d's ``(B, T, H, W, NH, HD)``); any floating dtype.
+        lse_tensors: one per output, ``(..., NH)`` (the outputs' shape without the
+            head dim), on the same device: their natural-log log-sum-exps, as
+            ``na3d.na3d(..., return_lse=True)`` returns them; any floating dtype.
+
+    Returns:
+        ``(output, lse)``: the output in the inputs' dtype, the lse in float32.
+        Differentiable with respect to every output and lse (na3d's backward takes
+        the gradient of its lse). Works on any device (plain PyTorch).
+
+    Raises:
+        TypeError: not lists or tuples of tensors.
+        ValueError: fewer than two outputs, a count, shape, dtype or device that
+            disagrees.
+
+    Non-finite inputs: an lse of ``-inf`` (a query with no key in that set) gives
+    its output weight 0, as long as some other set has keys for the query; a NaN
+    propagates.
+
+    Example:
+        >>> import torch, na3d
+        >>> q, k, v = (torch.randn(1, 4, 6, 8, 2, 16) for _ in range(3))
+        >>> text_k, text_v = torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16)
+        >>> local, local_lse = na3d.na3d(q, k, v, 3, return_lse=True)
+        >>> scores = torch.einsum("bthwnd,bsnd->bthwns", q, text_k) * 16 ** -0.5
+        >>> text = torch.einsum("bthwns,bsnd->bthwnd", scores.softmax(-1), text_v)
+        >>> out, lse = na3d.merge_attentions([local, text], [local_lse, scores.logsumexp(-1)])
+        >>> both = na3d.na3d(q, k, v, 3, additional_keys=text_k, additional_values=text_v)
+        >>> torch.allclose(out, both, atol=1e-5)
+        True
     """
     if not isinstance(outputs, (list, tuple)) or not isinstance(lse_tensors, (list, tuple)):
         raise TypeError("outputs and lse_tensors must be lists (or tuples) of tensors")

@@ -9,22 +9,25 @@ host synchronization; buffers come from PyTorch's caching allocator).
 Outputs are always freshly allocated contiguous tensors, whatever the inputs'
 strides; the fake implementations say the same.
 
-Eager calls skip the operators (their dispatch costs more host time than a small
-problem's kernels): inference calls the launcher directly (``api._run``), and
-eager calls that need a gradient go through :class:`EagerAttention`, the same
-forward and backward as a plain ``torch.autograd.Function``. Whatever is traced
-(``torch.compile``, AOTAutograd, ``make_fx``, fake tensors) sees the operators.
+:func:`dispatch` is where a validated call picks its path (the public API calls
+it and nothing else here). Eager calls skip the operators (their dispatch costs
+more host time than a small problem's kernels): inference calls the launcher
+directly, and eager calls that need a gradient go through :class:`EagerAttention`,
+the same forward and backward as a plain ``torch.autograd.Function``. Whatever is
+traced (``torch.compile``, AOTAutograd, ``make_fx``, fake tensors) sees the
+operators. CPU tensors without the Triton interpreter take the exact PyTorch
+reference.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import launch
+from . import launch, reference
 
 
 @torch.library.custom_op("na3d::forward", mutates_args=(), device_types=("cuda", "cpu"))
@@ -100,11 +103,11 @@ class EagerAttention(torch.autograd.Function):
     """The operator's forward and backward for eager calls that need a gradient.
 
     Same launchers, same saved tensors, same backward as ``forward`` with its
-    registered autograd, without the operator's dispatch: on the H200 host an
-    eager ``autograd.grad`` through the operator took ~0.6 ms against ~0.14 ms
-    for the backward kernels themselves (edge-wide), so small training calls
-    were host-bound. Traced calls (``torch.compile``, CUDA graphs under compile)
-    keep the operator; see :func:`eager`.
+    registered autograd, without the operator's dispatch, whose host time inside
+    an eager ``autograd.grad`` is several times that of a small problem's backward
+    kernels (``benchmarks/NOTES.md``, "Host overhead of eager autograd"). Traced
+    calls (``torch.compile``, CUDA graphs under compile) keep the operator; see
+    :func:`eager`.
     """
 
     @staticmethod
@@ -131,3 +134,38 @@ class EagerAttention(torch.autograd.Function):
         dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
                                           is_causal=is_causal, stride=stride)
         return dq, dk, dv, None, None, None, None
+
+
+def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[int], causal: Sequence[bool],
+             stride: Sequence[int], scale: float, return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention on validated ``(B, T, H, W, NH, HD)`` inputs with equal head counts and
+    dilation 1, by the path that suits the call: ``out``, or ``(out, lse)`` with
+    ``return_lse``.
+
+    CUDA tensors, and CPU tensors when the kernels run in the Triton interpreter, run
+    the Triton kernels: an eager call without a gradient through the launcher, an
+    eager call that needs one through :class:`EagerAttention`, a traced call through
+    the ``na3d::forward`` operator. Other CPU tensors get the exact PyTorch reference,
+    differentiable through autograd.
+    """
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
+        if not needs_grad and not torch.compiler.is_compiling():
+            # Inference, eager: launch directly. The operator's dispatch (schema
+            # checks, autograd and fake-tensor plumbing) costs tens of microseconds
+            # per call, as much as a small problem's kernel.
+            out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
+                                           is_causal=causal, stride=stride)
+            return (out, lse) if return_lse else out
+        if eager(query, key, value):
+            # Training, eager: autograd without the operator's dispatch (see EagerAttention).
+            out, lse = EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
+                                            tuple(stride))
+            return (out, lse) if return_lse else out
+        # Traced (torch.compile): the operator. The log-sum-exp is saved for the
+        # backward only when a gradient can flow.
+        out, lse = forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
+                           list(causal), list(stride))
+        return (out, lse) if return_lse else out
+    return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
+                                     is_causal=causal, stride=stride)

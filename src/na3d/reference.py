@@ -23,12 +23,10 @@ All take ``(B, T, H, W, NH, HD)`` tensors ("heads last") and differentiate
 through autograd.
 """
 
-from __future__ import annotations
-
 import functools
 import itertools
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +47,43 @@ def na3d_brute_force(
     compute_dtype: Optional[torch.dtype] = torch.float64,
     return_lse: bool = False,
     stride: Sequence[int] = (1, 1, 1),
-):
-    """Dense masked attention over the whole grid; ``compute_dtype=None`` keeps q's dtype.
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Dense masked attention over the whole grid: the oracle the tests compare against.
 
-    Returns the output in q's dtype (and, with ``return_lse``, the natural-log
-    logsumexp ``(B, T, H, W, NH)`` in float32 ... or in compute_dtype if wider).
+    Builds the ``[N, N]`` neighborhood mask of :mod:`na3d.geometry` (``N = T * H *
+    W``): quadratic in ``N``, for tiny shapes only. No argument checks: pass what
+    :func:`na3d.na3d` would accept.
+
+    Args:
+        q: ``(B, T, H, W, NH, HD)``, any floating dtype (float64 included), any device.
+        k: ``(B, T, H, W, NKV, HD)``, ``NKV`` dividing ``NH`` (repeated per group).
+        v: k's shape.
+        kernel_size: ``(KT, KH, KW)``, each ``K * dilation <= size``.
+        scale: ``None`` for ``HD ** -0.5``.
+        dilation: ``(dT, dH, dW)``, each ``>= 1``.
+        is_causal: three bools, ``(T, H, W)`` order.
+        compute_dtype: the dtype of the arithmetic (default float64, the oracle);
+            ``None`` keeps q's dtype ("the same math at that precision").
+        return_lse: also return the natural-log log-sum-exp.
+        stride: ``(sT, sH, sW)``, each ``1 <= s <= K``.
+
+    Returns:
+        The output in q's dtype; with ``return_lse``, ``(out, lse)``, ``lse``
+        ``(B, T, H, W, NH)`` in float32 (float64 when ``compute_dtype`` is).
+        Differentiable through autograd.
+
+    Devices: runs wherever q is (plain PyTorch). Non-finite inputs: keys outside a
+    query's window are masked before the softmax, but the dense product multiplies
+    every value by its probability, zero or not, so an inf or NaN value anywhere in
+    the grid makes outputs NaN: give it finite inputs (na3d's own behaviour: the
+    README's "non-finite inputs" row).
+
+    Example:
+        >>> import torch, na3d
+        >>> q, k, v = (torch.randn(1, 4, 6, 8, 2, 16) for _ in range(3))
+        >>> oracle = na3d.na3d_brute_force(q, k, v, (3, 3, 5))
+        >>> oracle.dtype, (na3d.na3d(q, k, v, (3, 3, 5)).double() - oracle).abs().max().item() < 1e-5
+        (torch.float32, True)
     """
     B, T, H, W, NH, HD = q.shape
     n = T * H * W
@@ -229,24 +259,56 @@ def na3d_sdpa_exact(
     return_lse: bool = False,
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
-):
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact neighborhood attention from grouped ``F.scaled_dot_product_attention`` calls.
 
-    ``q``: ``(B, T, H, Wq, NH, HD)``, the queries at global W positions
-    ``w_offset .. w_offset + Wq - 1``; ``k``, ``v``: ``(B, T, H, W, NH, HD)``, the full
-    grid. Windows are computed in global coordinates, so a W sub-slice of queries
-    gets exactly the rows of the full result. ``scale=None`` means ``HD ** -0.5``.
+    Queries are cut into boxes; per box, the union of their windows is sliced out of
+    K/V and one SDPA call with a boolean mask does the work. This is what
+    :func:`na3d.na3d` runs on CPU tensors when the Triton interpreter is not active,
+    and what the GPU tests and the benchmark compare against. No argument checks:
+    pass what :func:`na3d.na3d` would accept.
 
-    ``return_lse=True`` also returns the natural-log log-sum-exp ``(B, T, H, Wq, NH)``
-    in float32 (from the box's masked scores, computed once more for it).
-    ``is_causal`` (per axis T, H, W) selects causal windows along that axis,
-    ``stride`` NATTEN's window-sharing stride per axis.
+    Args:
+        q: ``(B, T, H, Wq, NH, HD)``: the queries at global W positions
+            ``w_offset .. w_offset + Wq - 1`` (``Wq = W`` for the whole grid); any
+            floating dtype SDPA takes on q's device.
+        k: ``(B, T, H, W, NH, HD)``, the full grid (equal head counts: repeat
+            key/value heads for grouped-query attention).
+        v: k's shape.
+        kernel_size: ``(KT, KH, KW)``, each ``1 <= K <= size``.
+        scale: ``None`` for ``HD ** -0.5``.
+        w_offset: where q's columns start along W, ``0 <= w_offset <= W - Wq``:
+            a W sub-slice of queries gets exactly those rows of the full result.
+        memory_budget: bytes the temporaries of any single step (box copies, one
+            mask, attention intermediates; see ``_box_bytes``) may take, on top of
+            the output.
+        return_lse: also return the float32 natural-log log-sum-exp
+            ``(B, T, H, Wq, NH)`` (from the box's masked scores, computed once more
+            for it).
+        is_causal: three bools, ``(T, H, W)`` order.
+        stride: ``(sT, sH, sW)``, each ``1 <= s <= K``.
 
-    Memory: the temporaries of any single step (box copies, one mask, attention
-    intermediates; see ``_box_bytes``) stay under ``memory_budget`` bytes, on top of
-    the output itself. Boxes are visited grouped by geometry, so each mask is built
-    once per call and only one is alive at a time; nothing is cached across calls.
-    No host-device synchronization.
+    Returns:
+        The output ``(B, T, H, Wq, NH, HD)`` in q's dtype, or ``(out, lse)``.
+        Differentiable through autograd.
+
+    Raises:
+        ValueError: ``w_offset`` places q outside the grid, or ``memory_budget`` is
+            below what one query of one head needs.
+
+    Boxes are visited grouped by geometry, so each mask is built once per call and
+    only one is alive at a time; nothing is cached across calls. No host-device
+    synchronization. Devices: wherever q is. Non-finite inputs: values inside a
+    box's union of windows but outside a query's window can reach it, as in na3d's
+    kernels (the README's "non-finite inputs" row).
+
+    Example:
+        >>> import torch, na3d
+        >>> q, k, v = (torch.randn(1, 4, 6, 8, 2, 16) for _ in range(3))
+        >>> full = na3d.na3d_sdpa_exact(q, k, v, (3, 3, 5))
+        >>> cols = na3d.na3d_sdpa_exact(q[:, :, :, 2:5], k, v, (3, 3, 5), w_offset=2)
+        >>> torch.allclose(cols, full[:, :, :, 2:5])
+        True
     """
     B, T, H, Wq, NH, HD = q.shape
     W = k.shape[3]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import na3d
-from na3d import flex_baseline
+from na3d.tools import flex_baseline
 from helpers import make_qkv
 
 flex_attention = pytest.importorskip("torch.nn.attention.flex_attention")

@@ -1,6 +1,7 @@
-"""The Triton backward kernels (and the autograd op around them) against float64 autograd.
+"""The Triton backward kernels against float64 autograd.
 
-Interpreter on a machine without a GPU (fp16 and fp32), compiled on a GPU.
+Interpreter on a machine without a GPU (fp16 and fp32), compiled on a GPU, where the
+``gpu`` tests add bf16 gradients on the benchmark shapes.
 """
 
 import dataclasses
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 import na3d
-from na3d import launch, ops
-from na3d.configs import BackwardConfig
-from helpers import LAYOUTS, assert_grads_match_oracle, grads_of, make_qkv
+from na3d import launch
+from na3d.configs import BackwardConfig, ForwardConfig
+from na3d.tools.common import bench_shapes
+from helpers import (LAYOUTS, assert_grads_match_oracle, assert_matches_oracle, grads_of, make_qkv, poisoned_like,
+                     slow_except)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -34,7 +37,7 @@ def kernel_grads(q, k, v, grad_out, kernel, scale, config=None, poison=True):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("shape,kernel", AWKWARD)
+@pytest.mark.parametrize("shape,kernel", slow_except(AWKWARD, keep=(0, 2, 3, 4)))
 def test_backward_awkward_shapes(shape, kernel, dtype):
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=sum(shape))
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
@@ -50,7 +53,7 @@ BWD_TILINGS = [
 ]
 
 
-@pytest.mark.parametrize("config", BWD_TILINGS, ids=range(len(BWD_TILINGS)))
+@pytest.mark.parametrize("config", slow_except([(c,) for c in BWD_TILINGS], keep=(1,), ids=range(len(BWD_TILINGS))))
 def test_backward_tilings_cut_by_borders(config):
     shape, kernel = (1, 3, 9, 7, 1, 16), (3, 5, 3)
     q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=5)
@@ -59,9 +62,12 @@ def test_backward_tilings_cut_by_borders(config):
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "heads_first"])
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("fused", [False, True])
+DESCRIPTOR_CASES = [(layout, tma, fused) for layout in ("contiguous", "fused_qkv", "heads_first")
+                    for tma in (False, True) for fused in (False, True)]
+
+
+@pytest.mark.parametrize("layout,tma,fused", slow_except(
+    DESCRIPTOR_CASES, keep=(6,), ids=[f"{fused}-{tma}-{layout}" for layout, tma, fused in DESCRIPTOR_CASES]))
 def test_backward_descriptor_and_pointer_loads(layout, tma, fused):
     # The dQ kernel's key/value boxes and the dK/dV kernel's query/dO boxes load
     # through tensor descriptors where the layout allows (and the config asks),
@@ -119,92 +125,12 @@ def test_backward_is_deterministic():
         assert torch.equal(x, y)
 
 
-def test_opcheck():
-    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=2)
-    for need_lse in (True, False):
-        torch.library.opcheck(ops.forward, (q.clone().requires_grad_(), k, v, [3, 3, 3], 0.25, need_lse,
-                                             [False, True, False], [1, 2, 1]))
-    out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False], [1, 2, 1])
-    torch.library.opcheck(ops.backward, (torch.randn_like(out), q, k, v, out, lse, None, [3, 3, 3], 0.25,
-                                         [False, True, False], [1, 2, 1]))
-
-
-def test_eager_calls_skip_the_operator(monkeypatch):
-    """Inference calls launch the kernel directly and eager calls that need a
-    gradient go through ops.EagerAttention: neither dispatches the operators (whose
-    host cost exceeds small kernels). Same values, same gradients as the operator."""
-    import na3d
-
-    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=4)
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    calls = []
-    for name in ("forward", "backward"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *args, _real=real, _name=name: calls.append(_name) or _real(*args))
-    plain = na3d.na3d(q, k, v, 3)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with_grad = na3d.na3d(*leaves, 3)
-    eager_grads = torch.autograd.grad(with_grad, leaves, grad_out)
-    assert calls == []
-    torch.testing.assert_close(plain, with_grad.detach(), rtol=0, atol=0)
-
-    op_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    op_out, _ = ops.forward(*op_leaves, [3, 3, 3], 16 ** -0.5, True, [False] * 3, [1] * 3)
-    op_grads = torch.autograd.grad(op_out, op_leaves, grad_out)
-    assert calls == ["forward", "backward"]
-    torch.testing.assert_close(with_grad.detach(), op_out.detach(), rtol=0, atol=0)
-    for got, want in zip(eager_grads, op_grads):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def test_eager_path_refuses_traced_calls():
-    """Anything traced must see the operator: fake tensors and dispatch modes are
-    not eager; a double backward through the eager path raises (as through the
-    operator) instead of silently contributing no second-order terms."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import na3d
-
-    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=4)
-    assert ops.eager(q, k, v)
-    with FakeTensorMode() as mode:
-        fq = mode.from_tensor(q)
-        assert not ops.eager(fq)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = na3d.na3d(*leaves, 3)
-    dq, = torch.autograd.grad(out.sum(), leaves[:1], create_graph=True)
-    assert dq.requires_grad
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        dq.sum().backward()
-
-
-def test_compiled_call_uses_the_operator(monkeypatch):
-    """torch.compile (fullgraph, AOTAutograd) traces the operator, not the eager path,
-    and its gradients equal the eager ones."""
-    import na3d
-
-    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=6)
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(na3d.na3d(*leaves, 3), leaves, grad_out)
-    used = []
-    real = ops.EagerAttention.apply
-    monkeypatch.setattr(ops.EagerAttention, "apply", lambda *a: used.append(1) or real(*a))
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b, c: na3d.na3d(a, b, c, 3), backend="aot_eager", fullgraph=True)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = torch.autograd.grad(compiled(*leaves), leaves, grad_out)
-    assert used == []
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-
-
 # The fused backward (dQ by atomic adds): same oracle, awkward shapes and tilings.
 FUSED = [dataclasses.replace(c, fused=True) for c in BWD_TILINGS[:3]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("shape,kernel", AWKWARD[:2] + AWKWARD[4:])
+@pytest.mark.parametrize("shape,kernel", slow_except(AWKWARD[:2] + AWKWARD[4:], keep=(0, 2)))
 def test_fused_backward_awkward_shapes(shape, kernel, dtype):
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=sum(shape))
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
@@ -213,7 +139,7 @@ def test_fused_backward_awkward_shapes(shape, kernel, dtype):
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3)
 
 
-@pytest.mark.parametrize("config", FUSED, ids=range(len(FUSED)))
+@pytest.mark.parametrize("config", slow_except([(c,) for c in FUSED], keep=(1,), ids=range(len(FUSED))))
 @pytest.mark.parametrize("causal", [(False, False, False), (True, False, True)], ids=["plain", "causal"])
 def test_fused_backward_tilings_with_lse_gradient(config, causal):
     shape, kernel = (2, 3, 9, 7, 1, 16), (3, 5, 3)
@@ -228,6 +154,7 @@ def test_fused_backward_tilings_with_lse_gradient(config, causal):
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25, grad_lse, is_causal=causal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", BWD_TILINGS, ids=range(len(BWD_TILINGS)))
 def test_statistics_through_descriptors_on_tilings_cut_by_borders(config, monkeypatch):
     """16-bit inputs with packed heads: dK/dV reads q, dO and the per-query statistics
@@ -313,6 +240,7 @@ DQ_SHORT_AXIS_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(DQ_SHORT_AXIS_CASES)))
 def test_backward_dq_mask_fixed_on_axes_no_longer_than_the_key_box(case):
     q_tile, kv_tile, kernel, causal, stride, expected = DQ_SHORT_AXIS_CASES[case]
@@ -337,7 +265,8 @@ def check_dq_case(q_tile, kv_tile, kernel, causal, stride, scale, shape, dtype, 
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, scale, grad_lse, is_causal=causal, stride=stride)
 
 
-@pytest.mark.parametrize("case,scale", [(i, 0.3) for i in range(len(DQ_MASK_CASES))] + [(0, -0.7), (1, 0.0)])
+@pytest.mark.parametrize("case,scale", slow_except([(i, 0.3) for i in range(len(DQ_MASK_CASES))]
+                                                 + [(0, -0.7), (1, 0.0)], keep=(2,)))
 def test_backward_dq_mask_fixed_along_some_axes(case, scale):
     # Odd grid sizes, B > 1 (case 0), a gradient into lse; fp16 cases load boxes
     # through descriptors. A scale <= 0 keeps the plain mask (a masked score times
@@ -348,3 +277,58 @@ def test_backward_dq_mask_fixed_along_some_axes(case, scale):
     shape = (2 if case == 0 else 1, 5, 7, 9, 1, 16)
     check_dq_case(q_tile, kv_tile, kernel, causal, stride, scale, shape, torch.float16 if case % 2 else torch.float32,
                   seed=41 + case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [(True, False, False), (False, True, True)])
+def test_causal_kernel_tiles(causal):
+    """Causal windows through tiles cut by the grid's end and larger than an axis."""
+    shape, kernel = (1, 3, 9, 10, 1, 16), (3, 4, 5)
+    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=31)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    for fwd in (ForwardConfig((4, 2, 2), (1, 4, 4), 4, 1), ForwardConfig((1, 2, 8), (2, 1, 8), 4, 1)):
+        out = poisoned_like(q)
+        out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, need_lse=True, out=out, config=fwd,
+                                       is_causal=causal)
+        assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25, is_causal=causal)
+    bwd = BackwardConfig((4, 4, 1), (1, 2, 8), (1, 2, 8), (4, 1, 4), 4, 1)
+    grads = tuple(poisoned_like(t) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.25, grads=grads, config=bwd, is_causal=causal)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25, is_causal=causal)
+
+
+# --------------------------------------------------------------------------------
+# GPU: bf16/fp16 gradients on the benchmark shapes
+# --------------------------------------------------------------------------------
+
+def reference_grads(q, k, v, grad_out, kernel, scale, dtype, chunks=8):
+    """Autograd through the grouped-SDPA reference at ``dtype``, W chunk by W chunk
+    (``w_offset``), so the saved tensors of only one chunk are alive at a time."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    W = q.shape[3]
+    step = max(1, -(-W // chunks))
+    for w0 in range(0, W, step):
+        w1 = min(W, w0 + step)
+        out = na3d.na3d_sdpa_exact(leaves[0][:, :, :, w0:w1], leaves[1], leaves[2], kernel, scale=scale,
+                                   w_offset=w0)
+        out.backward(grad_out[:, :, :, w0:w1].to(dtype))
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("spec", bench_shapes(), ids=lambda s: s["name"])
+def test_gradients_on_benchmark_shapes(spec, dtype):
+    shape, kernel = tuple(spec["shape"]), tuple(spec["kernel_size"])
+    scale = shape[-1] ** -0.5
+    q, k, v = make_qkv(shape, dtype, device="cuda", seed=2)
+    grad_out = torch.randn(shape, dtype=dtype, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    na3d.na3d(*leaves, kernel).backward(grad_out)
+    oracle = reference_grads(q, k, v, grad_out, kernel, scale, torch.float32)
+    same_math = reference_grads(q, k, v, grad_out, kernel, scale, dtype)
+    for name, leaf, want, pt in zip(("dq", "dk", "dv"), leaves, oracle, same_math):
+        err = (leaf.grad.float() - want).abs().max().item()
+        tol = 2 * (pt.float() - want).abs().max().item() + 2 * torch.finfo(dtype).eps * max(
+            1.0, want.abs().max().item())
+        assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"

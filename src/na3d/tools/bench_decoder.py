@@ -1,7 +1,7 @@
 """End-to-end benchmark: the LTX-2.5 diffusion video decoder of diffusers, attention swapped.
 
-    python -m na3d.bench_decoder                        # full size, latent 1x128x16x16x24, bf16, tiling on
-    python -m na3d.bench_decoder --methods na3d noattn --repeats 5 --json decoder.json
+    python -m na3d.tools.bench_decoder                        # full size, latent 1x128x16x16x24, bf16, tiling on
+    python -m na3d.tools.bench_decoder --methods na3d noattn --repeats 5 --json decoder.json
 
 The full-size ``LTX2VideoDiffusionDecoderModel`` (diffusers' default config, random
 weights: nothing is downloaded) decodes the latent of a 121-frame 512x768 video with
@@ -35,21 +35,18 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .reference import na3d_sdpa_exact
+from ..reference import na3d_sdpa_exact
+from . import common
 
 METHODS = ("na3d", "noattn", "sdpa_exact", "flex")
 LATENT_SHAPE = (1, 128, 16, 16, 24)  # LTX-2 latent of 121 frames at 512x768: (121 - 1) / 8 + 1, 512 / 32, 768 / 32
 
 
-def _log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _processors() -> dict:
+def method_processors() -> dict:
     """The processor each method installs (built lazily: diffusers is an optional dependency)."""
     from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoVaeNeighborhoodAttnProcessor
 
-    from .diffusers import NA3DProcessor
+    from ..diffusers import NA3DProcessor
 
     class SkipAttentionProcessor(NA3DProcessor):
         """Projects q/k/v and hands v to the output projection: the decoder without attention."""
@@ -68,7 +65,7 @@ def _processors() -> dict:
 
 
 def _install(model, method: str, processor) -> None:
-    from .diffusers import use_na3d
+    from ..diffusers import use_na3d
 
     if method == "flex":
         # Diffusers' own switch; its build_block_mask builds the stage masks again for this processor.
@@ -113,7 +110,7 @@ def decoder_row(
     tiling: Union[bool, dict] = True,
     config: Optional[dict] = None,
     seed: int = 0,
-    log: Callable[[str], None] = _log,
+    log: Callable[[str], None] = common.log,
 ) -> dict:
     """Decode time, peak memory and output difference of each attention method, as one row.
 
@@ -144,7 +141,7 @@ def decoder_row(
         model.enable_tiling(**(tiling if isinstance(tiling, dict) else {}))
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     latent = torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
-    processors = _processors()
+    processors = method_processors()
 
     def decode():
         # Every method denoises the same noise.
@@ -217,7 +214,7 @@ def print_row(row: dict) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m na3d.bench_decoder", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m na3d.tools.bench_decoder", description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)

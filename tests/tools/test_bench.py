@@ -1,9 +1,13 @@
-"""The README's main command works on a machine without a GPU (a CPU demonstration)."""
+"""The benchmark (``na3d.tools.bench``): the README's main command works on a machine without a
+GPU (a CPU demonstration); its accounting, table and plot; on a GPU, its timers and rows."""
 
-import torch
+import math
+
 import pytest
+import torch
 
-from na3d import bench
+from na3d.tools import bench
+from na3d.tools.common import Timer
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark itself runs")
@@ -45,14 +49,6 @@ def test_table_shows_gpu_time_where_measured(capsys):
     assert "0.1250" in lines[1] and "nan" in lines[2]
 
 
-def test_tuner_records_its_timing_method():
-    from na3d.tune import timing_method
-
-    cpu = torch.device("cpu")
-    assert timing_method(bench.Timer(cpu, flush_bytes=16)) == "eager, L2 flushed"
-    assert timing_method(bench.Timer(cpu, flush_bytes=16, graphs=True)) == "GPU time, CUDA-graph replay"
-
-
 def test_bwd_rows_record_their_ratio_to_the_forward(capsys):
     fwd = {"name": "a", "pass": "fwd", "ms": {"na3d": 0.5, "flex": 2.0}, "x_floor": {"na3d": 2.0},
            "floor_ms": 0.25, "gpu_ms": {"na3d": 0.25}}
@@ -64,3 +60,31 @@ def test_bwd_rows_record_their_ratio_to_the_forward(capsys):
     bench.print_table([fwd, bwd])
     lines = capsys.readouterr().out.splitlines()
     assert "bwd/fwd" in lines[0] and lines[2].rstrip().endswith("3.00") and lines[1].rstrip().endswith("nan")
+
+
+@pytest.mark.gpu
+def test_graph_timer_replays_the_call():
+    """``Timer(graphs=True)`` (the tuner's ``--graph-timing``) runs the captured
+    call on every replay and returns a finite time (no value is asserted: timings
+    are not tested)."""
+    counter = torch.zeros((), device="cuda")
+    ms = Timer(torch.device("cuda"), flush_bytes=1 << 20, graphs=True)(lambda: counter.add_(1), min_runs=10)
+    torch.cuda.synchronize()
+    assert ms == ms and abs(ms) < 1e3
+    # 2 eager warm-ups, 1 on the capture's side stream, >= 10 replays (capture itself runs nothing).
+    assert counter.item() >= 13
+
+
+@pytest.mark.gpu
+def test_bench_rows_record_gpu_time():
+    """Both row builders add na3d's graph-replayed GPU time beside its eager time
+    (values are not asserted: timings are not tested)."""
+    device = torch.device("cuda")
+    spec = {"name": "small", "shape": [1, 4, 6, 10, 2, 64], "kernel_size": [3, 3, 5]}
+    ceilings = {"copy_tbs": 4.0, "dense_attn_tflops": 300.0}
+    timer, gpu_timer = Timer(device, flush_bytes=1 << 20), Timer(device, flush_bytes=1 << 20, graphs=True)
+    for build in (bench.forward_row, bench.backward_row):
+        row = build(spec, timer, ceilings, device, ["na3d"], gpu_timer=gpu_timer)
+        ms = row["gpu_ms"]["na3d"]
+        assert set(row["gpu_ms"]) == {"na3d"} and math.isfinite(ms) and abs(ms) < 1e3
+        assert math.isfinite(row["gpu_x_floor"]["na3d"])

@@ -5,6 +5,7 @@ fact the distributed code rests on (attention on the sub-axis of needed keys giv
 each query its global window) against the exact reference.
 """
 
+import doctest
 import itertools
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import na3d
 from na3d import geometry
+from na3d.distributed import plan as halo_geometry
 
 AXES = [(L, K) for L in (1, 2, 3, 5, 8, 13) for K in range(1, L + 1, 2)] + [(9, 4), (10, 6)]
 
@@ -30,7 +32,7 @@ def test_keys_needed_is_the_union_of_the_windows(length, kernel):
     for first in range(length):
         for stop in range(first + 1, length + 1):
             seen = mask[first:stop].any(0).nonzero().flatten().tolist()
-            u0, u1 = geometry.keys_needed(first, stop, length, kernel)
+            u0, u1 = halo_geometry.keys_needed(first, stop, length, kernel)
             assert seen == list(range(u0, u1))
             assert u0 <= first and stop <= u1 and u1 - u0 >= kernel
 
@@ -40,7 +42,7 @@ def test_sub_axis_windows_equal_the_global_ones(length, kernel):
     """Clamping windows to the sub-axis ``keys_needed(first, stop)`` changes nothing for those queries."""
     for first in range(length):
         for stop in range(first + 1, length + 1):
-            u0, u1 = geometry.keys_needed(first, stop, length, kernel)
+            u0, u1 = halo_geometry.keys_needed(first, stop, length, kernel)
             for i in range(first, stop):
                 local = geometry.window_start(i - u0, u1 - u0, kernel) + u0
                 assert local == geometry.window_start(i, length, kernel), (first, stop, i)
@@ -57,7 +59,7 @@ def test_attention_on_the_sub_grid_gives_the_global_rows(axis):
     q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(3))
     full = na3d.na3d_brute_force(q, k, v, kernel_size)
     for first, stop in [(0, 1), (0, 3), (2, 3), (3, 7), (7, 9), (8, 9), (1, 8)]:
-        u0, u1 = geometry.keys_needed(first, stop, 9, 5)
+        u0, u1 = halo_geometry.keys_needed(first, stop, 9, 5)
         padded = torch.zeros_like(q.narrow(axis, u0, u1 - u0))
         padded.narrow(axis, first - u0, stop - first).copy_(q.narrow(axis, first, stop - first))
         sub = na3d.na3d_brute_force(padded, k.narrow(axis, u0, u1 - u0), v.narrow(axis, u0, u1 - u0),
@@ -73,7 +75,7 @@ def test_queries_within_brute_force(length, kernel):
             inside = [i for i in range(first, stop)
                       if first <= geometry.window_start(i, length, kernel)
                       and geometry.window_start(i, length, kernel) + kernel <= stop]
-            lo, hi = geometry.queries_within(first, stop, length, kernel)
+            lo, hi = halo_geometry.queries_within(first, stop, length, kernel)
             assert list(range(lo, hi)) == inside
             assert first <= lo <= hi <= stop
 
@@ -82,8 +84,8 @@ def test_queries_within_brute_force(length, kernel):
 def test_halo_exchange_plan_sends_exactly_what_is_needed(length, kernel):
     mask = geometry.mask_1d(length, kernel)
     for sizes in _slab_partitions(length):
-        bounds = geometry.slab_bounds(sizes)
-        plan = geometry.halo_exchange_plan(sizes, kernel)
+        bounds = halo_geometry.slab_bounds(sizes)
+        plan = halo_geometry.halo_exchange_plan(sizes, kernel)
         assert plan == sorted(plan, key=lambda t: (t.receiver, t.sender))
         for receiver, (a, b) in enumerate(bounds):
             incoming = [t for t in plan if t.receiver == receiver]
@@ -98,30 +100,34 @@ def test_halo_exchange_plan_sends_exactly_what_is_needed(length, kernel):
                 assert list(range(pieces[0].start, pieces[0].stop)) == needed
             # Received pieces and the own slab tile the key range, in rank order.
             spans = sorted([(t.start, t.stop) for t in incoming] + [(a, b)])
-            u0, u1 = geometry.keys_needed(a, b, length, kernel)
+            u0, u1 = halo_geometry.keys_needed(a, b, length, kernel)
             assert spans[0][0] == u0 and spans[-1][1] == u1
             assert all(x[1] == y[0] for x, y in zip(spans[:-1], spans[1:]))
 
 
 def test_thin_slab_at_the_border_hears_from_several_ranks():
     """Inward shift: query 0 with K = 5 sees 4 positions to its right, owned by 4 ranks."""
-    plan = geometry.halo_exchange_plan([1, 1, 1, 1, 1, 1], 5)
+    plan = halo_geometry.halo_exchange_plan([1, 1, 1, 1, 1, 1], 5)
     assert [t.sender for t in plan if t.receiver == 0] == [1, 2, 3, 4]
     assert [t.sender for t in plan if t.receiver == 5] == [1, 2, 3, 4]
 
 
 def test_halo_geometry_rejects_bad_input():
     with pytest.raises(ValueError, match="first, stop"):
-        geometry.keys_needed(3, 3, 8, 3)
+        halo_geometry.keys_needed(3, 3, 8, 3)
     with pytest.raises(ValueError, match="first, stop"):
-        geometry.keys_needed(0, 9, 8, 3)
+        halo_geometry.keys_needed(0, 9, 8, 3)
     with pytest.raises(ValueError, match="kernel_size"):
-        geometry.keys_needed(0, 2, 4, 5)
+        halo_geometry.keys_needed(0, 2, 4, 5)
     with pytest.raises(ValueError, match="kernel_size"):
-        geometry.queries_within(0, 2, 4, 0)
+        halo_geometry.queries_within(0, 2, 4, 0)
     with pytest.raises(ValueError, match=r"slab_sizes\[1\]"):
-        geometry.slab_bounds([2, 0, 3])
+        halo_geometry.slab_bounds([2, 0, 3])
     with pytest.raises(ValueError, match="slab_sizes"):
-        geometry.halo_exchange_plan([], 3)
+        halo_geometry.halo_exchange_plan([], 3)
     with pytest.raises(ValueError, match="kernel_size"):
-        geometry.halo_exchange_plan([1, 2], 5)
+        halo_geometry.halo_exchange_plan([1, 2], 5)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(halo_geometry).failed == 0

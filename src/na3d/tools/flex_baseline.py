@@ -8,7 +8,7 @@ flex processor does.
 2.9M-token stage-5 shape is ~8.5e12 evaluations. This module builds the same
 BlockMask from the geometry instead: a block of consecutive tokens is a few runs
 along W, and whether a pair of runs has some (or only) visible pairs follows from
-the window bounds. ``tests/test_flex_baseline.py`` checks it equals
+the window bounds. ``tests/tools/test_flex_baseline.py`` checks it equals
 ``create_block_mask`` on small shapes.
 """
 
@@ -19,7 +19,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from . import geometry
+from .. import geometry
 
 
 def _block_runs(shape: Tuple[int, int, int], block: int, device) -> Tuple[torch.Tensor, ...]:

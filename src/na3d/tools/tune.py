@@ -1,10 +1,10 @@
 """Offline tuning: measure candidate configs and rewrite an arch's JSON table.
 
-    python -m na3d.tune                       # forward, all benchmark shapes, print the table
-    python -m na3d.tune --write               # ... and rewrite configs/<arch>.json
-    python -m na3d.tune --backward --write    # also the backward kernels' tiles
-    python -m na3d.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
-    python -m na3d.tune --buckets medium_window --backward --graph-timing   # GPU time only
+    python -m na3d.tools.tune                       # forward, all benchmark shapes, print the table
+    python -m na3d.tools.tune --write               # ... and rewrite configs/<arch>.json
+    python -m na3d.tools.tune --backward --write    # also the backward kernels' tiles
+    python -m na3d.tools.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
+    python -m na3d.tools.tune --buckets medium_window --backward --graph-timing   # GPU time only
 
 Candidates per shape are the tile pairs that issue the fewest QK^T products
 (``geometry.issued_flops_ratio``), each with a few warp/stage settings. Every
@@ -32,9 +32,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import configs, geometry, launch
-from .bench import Timer, bench_shapes, log
-from .reference import na3d_sdpa_exact
+from .. import configs, geometry, launch
+from ..reference import na3d_sdpa_exact
+from .common import Timer, bench_shapes, log
 
 POW2 = (1, 2, 4, 8, 16, 32, 64)
 
@@ -55,7 +55,7 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     scored = []
     for qt in q_tiles:
         for kt in kv_tiles:
-            fitted = configs._fit(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)])
+            fitted = configs.fit_tile(kt, [min(L, a + K - 1) for L, a, K in zip(shape, qt, kernel)])
             if fitted != kt:
                 continue
             scored.append((geometry.issued_flops_ratio(shape, kernel, qt, kt), math.prod(qt), qt, kt))
@@ -95,6 +95,14 @@ class Budget:
     def spent(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
 
+    def tried(self, candidates: list, name: str):
+        """``candidates`` in order while the budget lasts; the first (the current config) always."""
+        for i, cfg in enumerate(candidates):
+            if i > 0 and self.spent():
+                log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
+                return
+            yield cfg
+
 
 def _inputs(spec: dict, device):
     shape = tuple(spec["shape"])
@@ -112,10 +120,7 @@ def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, d
     ref_err = (na3d_sdpa_exact(q, k, v, ks).float() - oracle).abs().max().item()
     tol = 2 * ref_err + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, oracle.abs().max().item())
     times = {}
-    for i, cfg in enumerate(candidates):
-        if i > 0 and budget.spent():
-            log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
-            break
+    for cfg in budget.tried(candidates, name):
         key = config_key(cfg)
         out = torch.full_like(q, float("nan"))
         t0 = time.perf_counter()
@@ -161,10 +166,7 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
     base = errors(current)
     tol = [2 * e + 2 * torch.finfo(torch.bfloat16).eps * max(1.0, o.abs().max().item()) for e, o in zip(base, oracle)]
     times = {}
-    for i, cfg in enumerate(candidates):
-        if i > 0 and budget.spent():
-            log(f"{name}: time budget spent, {len(candidates) - i} candidates not tried")
-            break
+    for cfg in budget.tried(candidates, name):
         key = backward_key(cfg)
         if fit is not None:
             cfg = fit((cfg.dq_q_tile, cfg.dq_kv_tile, cfg.num_warps, cfg.num_stages),
@@ -308,29 +310,24 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
                                           **caps)
         return configs.fit_backward(entry_form, tuple(spec["shape"][1:4]), tuple(spec["kernel_size"]), "candidate")
 
-    results: Dict[str, Dict[str, float]] = {}
-    dq_options = [dq_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                             if launch_fits(math.prod(a), w) and (a, b, w, st) != dq_now]
-    log(f"bucket {entry['bucket']} backward dQ: {len(dq_options)} candidates on {names}")
-    step1 = {}
-    for s in members:
-        cands = [as_config(dq, dkdv_now) for dq in dq_options]
-        step1[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
-        torch.cuda.empty_cache()
-    choice, slow, _ = choose(step1, names)
+    def step(kernel: str, now, make_config):
+        """Measure ``now`` and every other candidate of one kernel's (tiles, warps, stages)
+        on each shape of the bucket, as configs ``make_config(candidate)``; pick one."""
+        options = [now] + [(a, b, w, st) for a, b in pairs for w, st in launches
+                           if launch_fits(math.prod(a), w) and (a, b, w, st) != now]
+        log(f"bucket {entry['bucket']} backward {kernel}: {len(options)} candidates on {names}")
+        times = {}
+        for s in members:
+            cands = [make_config(option) for option in options]
+            times[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
+            torch.cuda.empty_cache()
+        return times, *choose(times, names)
+
+    step1, choice, slow, _ = step("dQ", dq_now, lambda dq: as_config(dq, dkdv_now))
     picked = json.loads(choice)
     dq_best = (tuple(picked["dq"][0]), tuple(picked["dq"][1]), picked["num_warps"], picked["num_stages"])
     log(f"bucket {entry['bucket']} backward dQ: {choice} (geomean slowdown {slow:.3f})")
-
-    dkdv_options = [dkdv_now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                                 if launch_fits(math.prod(a), w) and (a, b, w, st) != dkdv_now]
-    log(f"bucket {entry['bucket']} backward dK/dV: {len(dkdv_options)} candidates on {names}")
-    step2 = {}
-    for s in members:
-        cands = [as_config(dq_best, dkdv) for dkdv in dkdv_options]
-        step2[s["name"]] = measure_backward(s, cands, current_for(s), timer, device, budget, as_config, s)
-        torch.cuda.empty_cache()
-    choice, slow, best = choose(step2, names)
+    step2, choice, slow, best = step("dK/dV", dkdv_now, lambda dkdv: as_config(dq_best, dkdv))
     picked = json.loads(choice)
     before = backward_key(as_config(dq_now, dkdv_now))
     entry["backward"] = dict(picked, measured={
@@ -338,6 +335,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
             "before_ms": round(step1[m].get(before, float("nan")), 4), "timing": timing_method(timer)}
         for m in names})
     log(f"bucket {entry['bucket']} backward: {choice} (geomean slowdown {slow:.3f})")
+    results: Dict[str, Dict[str, float]] = {}
     for m in names:
         results[m + "/dq"] = step1[m]
         results[m + "/dkdv"] = step2[m]
@@ -345,7 +343,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m na3d.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m na3d.tools.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*")
     parser.add_argument("--buckets", nargs="*", help="only these buckets of the table")
     parser.add_argument("--top", type=int, default=4, help="tile pairs per shape")
@@ -363,24 +361,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="per bucket and pass (forward, backward): stop trying new candidates after this "
                              "many seconds and keep the best so far")
     parser.add_argument("--graph-timing", action="store_true",
-                        help="time candidates as CUDA-graph replays, GPU time only (bench.Timer): for "
+                        help="time candidates as CUDA-graph replays, GPU time only (tools.common.Timer): for "
                              "latency-bound shapes whose host overhead per call exceeds their kernels")
     parser.add_argument("--write", action="store_true", help="rewrite the arch's JSON table")
     parser.add_argument("--log", default=None, help="also write every measurement to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        log("python -m na3d.tune measures on a GPU; none found.")
+        log("python -m na3d.tools.tune measures on a GPU; none found.")
         return 1
     device = torch.device("cuda")
     arch = configs.device_arch(torch.cuda.current_device())
     specs = [s for s in bench_shapes() if not args.shapes or s["name"] in args.shapes]
     table = configs.load_table(arch)
     buckets = [dict(entry) for entry in table["forward"]]
-    path = os.path.join(os.path.dirname(__file__), "configs", f"{arch}.json")
+    path = os.path.join(os.path.dirname(configs.__file__), "configs", f"{arch}.json")
 
     def bucket_of(spec):
         for i, entry in enumerate(buckets):
-            if configs._matches(entry.get("when", {}), spec["shape"][-1], spec["kernel_size"], torch.bfloat16):
+            if configs.matches(entry.get("when", {}), spec["shape"][-1], spec["kernel_size"], torch.bfloat16):
                 return i
         return None
 

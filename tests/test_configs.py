@@ -1,0 +1,60 @@
+"""Launch configurations: the per-arch tables, their buckets and alternatives, register caps."""
+
+import pytest
+import torch
+
+
+def test_register_caps_in_configs():
+    # A cap is None or a multiple of 8 the compiler accepts; unset, no keyword is
+    # passed (AMD's backend rejects it); table entries carry it into the configs.
+    from na3d import configs
+
+    with pytest.raises(ValueError, match="maxnreg"):
+        configs.ForwardConfig((1, 4, 4), (1, 4, 4), 4, 2, maxnreg=100)
+    with pytest.raises(ValueError, match="dkdv_maxnreg"):
+        configs.BackwardConfig((1, 4, 4), (1, 4, 4), (1, 4, 4), (1, 4, 4), 4, 1, dkdv_maxnreg=512)
+    assert configs.maxnreg_option(None) == {}
+    assert configs.maxnreg_option(128) == {"maxnreg": 128}
+    entry = {"dq": [[2, 4, 8], [4, 4, 4]], "dkdv": [[2, 4, 8], [4, 4, 4]], "num_warps": 4, "num_stages": 1,
+             "dq_maxnreg": 128, "dkdv_maxnreg": 168}
+    bwd = configs.fit_backward(entry, (8, 16, 16), (3, 5, 5))
+    assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg) == (128, 168)
+    for arch in ("sm90", "default"):
+        for bucket_kernel in ((3, 5, 5), (11, 11, 11), (3, 5, 27)):
+            configs.forward_config(arch, (16, 32, 32), bucket_kernel, 64, torch.bfloat16)
+            configs.backward_config(arch, (16, 32, 32), bucket_kernel, 64, torch.bfloat16)
+
+
+def test_bucket_alternatives_chosen_by_issued_products():
+    # The 11x11x11 bucket's alternatives replace the option before them only where
+    # the T borders make them issue at least 5 % fewer products: boxes 8 frames deep
+    # on clips of 13-15 frames, boxes spanning a whole 16-frame clip on
+    # ltx-stage5-small (head dims up to 64: their register cap), never on the long
+    # clips the cubic boxes were tuned on; the choice carries the alternative's own
+    # backward tiles, and comes from geometry alone.
+    from na3d import configs, geometry
+
+    kernel = (11, 11, 11)
+    small = configs.forward_config("sm90", (16, 80, 32), kernel, 64, torch.bfloat16)
+    assert small.bucket == "large_window/whole_clip"
+    assert (small.q_tile, small.kv_tile, small.maxnreg) == ((16, 2, 2), (16, 4, 2), 168)
+    wide = configs.forward_config("sm90", (16, 80, 32), kernel, 128, torch.bfloat16)
+    assert (wide.bucket, wide.q_tile, wide.kv_tile, wide.maxnreg) == ("large_window/deep_boxes", (8, 4, 2), (1, 16, 4), None)
+    for head_dim in (64, 128):
+        bwd = configs.backward_config("sm90", (16, 80, 32), kernel, head_dim, torch.bfloat16)
+        assert (bwd.dq_q_tile, bwd.dq_kv_tile, bwd.dkdv_k_tile) == ((8, 4, 2), (1, 16, 4), (4, 4, 4))
+        assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg, bwd.dkdv_stages) == (128, 168, 3)
+    assert configs.forward_config("sm90", (14, 64, 64), kernel, 64, torch.bfloat16).bucket == "large_window/deep_boxes"
+    for shape in ((79, 192, 192), (66, 128, 192), (79, 128, 192), (24, 80, 32), (12, 64, 64)):
+        cfg = configs.forward_config("sm90", shape, kernel, 64, torch.bfloat16)
+        assert cfg.bucket == "large_window", shape
+        assert configs.backward_config("sm90", shape, kernel, 64, torch.bfloat16).dq_q_tile == (4, 4, 4)
+    bucket = next(e for e in configs.load_table("sm90")["forward"] if e["bucket"] == "large_window")
+    for shape in ((13, 40, 40), (15, 80, 32), (16, 80, 32), (16, 128, 128), (22, 96, 64), (30, 48, 48), (79, 192, 192)):
+        cfg = configs.forward_config("sm90", shape, kernel, 64, torch.bfloat16)
+        want, best = None, None
+        for name, opt in configs.bucket_options(bucket):
+            ratio = geometry.issued_flops_ratio(shape, kernel, *configs.fitted_tiles(opt["q_tile"], opt["kv_tile"], shape, kernel))
+            if best is None or ratio < configs.ALTERNATIVE_MARGIN * best:
+                want, best = name, ratio
+        assert cfg.bucket == want, (shape, want)

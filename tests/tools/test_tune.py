@@ -1,0 +1,85 @@
+"""The offline tuner's logic (``na3d.tools.tune``) on the CPU, with made-up timings.
+
+Measuring needs a GPU; choosing, recording and the time budget do not: the
+measurement functions are replaced by ones that time the candidates as a test says.
+"""
+
+import argparse
+
+import torch
+
+from na3d import configs
+from na3d.tools import tune
+from na3d.tools.common import Timer, bench_shapes
+
+CPU_TIMER = Timer(torch.device("cpu"), flush_bytes=16)
+
+
+def test_tuner_records_its_timing_method():
+    cpu = torch.device("cpu")
+    assert tune.timing_method(Timer(cpu, flush_bytes=16)) == "eager, L2 flushed"
+    assert tune.timing_method(Timer(cpu, flush_bytes=16, graphs=True)) == "GPU time, CUDA-graph replay"
+
+
+def test_budget_always_tries_the_first_candidate():
+    assert list(tune.Budget(None).tried([1, 2, 3], "shape")) == [1, 2, 3]
+    assert list(tune.Budget(-1.0).tried([1, 2, 3], "shape")) == [1]
+
+
+def bucket_and_members(kernel_size):
+    """A copy of the sm90 bucket serving ``kernel_size`` at head dim 64, and its benchmark shapes."""
+    for entry in configs.load_table("sm90")["forward"]:
+        if configs.matches(entry.get("when", {}), 64, kernel_size, torch.bfloat16):
+            break
+    members = [s for s in bench_shapes() if tuple(s["kernel_size"]) == kernel_size]
+    return dict(entry), members
+
+
+def test_forward_tuning_records_the_fastest_candidate(monkeypatch):
+    entry, members = bucket_and_members((3, 5, 5))
+    seen = []
+
+    def measure(spec, candidates, timer, device, budget):
+        seen.append(candidates)
+        return {tune.config_key(c): 0.5 if c is candidates[-1] else 1.0 for c in candidates}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    args = argparse.Namespace(launch=["4,2", "8,2"], top=2, maxnreg=None)
+    results = tune.tune_forward(entry, members, args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
+    winner = seen[0][-1]
+    assert len(seen) == len(members) and set(results) == {s["name"] for s in members}
+    assert (entry["q_tile"], entry["kv_tile"]) == (list(winner.q_tile), list(winner.kv_tile))
+    assert (entry["num_warps"], entry["num_stages"]) == (winner.num_warps, winner.num_stages)
+    assert entry["measured"] == {s["name"]: {"ms": 0.5, "best_ms": 0.5, "timing": "eager, L2 flushed"}
+                                 for s in members}
+
+
+def test_backward_tuning_picks_dq_then_dkdv(monkeypatch):
+    """Step one times dQ tilings with the current dK/dV, step two dK/dV tilings with
+    the chosen dQ; the bucket's backward entry records both and their times."""
+    entry, members = bucket_and_members((3, 5, 5))
+    calls = []
+
+    def measure_backward(spec, candidates, current, timer, device, budget, fit, fit_spec):
+        calls.append(candidates)
+        step = 1 if len(calls) <= len(members) else 2
+        fast = 0.5 if step == 1 else 0.25
+        return {tune.backward_key(c): fast if c is candidates[-1] else 1.0 for c in candidates}
+
+    monkeypatch.setattr(tune, "measure_backward", measure_backward)
+    args = argparse.Namespace(bwd_launch=["4,1", "4,2"], top=2)
+    results = tune.tune_backward(entry, members, "sm90", args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
+    assert len(calls) == 2 * len(members)
+    dq, dkdv = calls[0][-1], calls[-1][-1]
+    # Step two runs every dK/dV candidate with step one's dQ.
+    assert all((c.dq_q_tile, c.dq_kv_tile, c.num_warps) == (dq.dq_q_tile, dq.dq_kv_tile, dq.num_warps)
+               for c in calls[-1])
+    chosen = entry["backward"]
+    assert chosen["dq"] == [list(dq.dq_q_tile), list(dq.dq_kv_tile)]
+    assert (chosen["num_warps"], chosen["num_stages"]) == (dq.num_warps, dq.num_stages)
+    assert chosen["dkdv"] == [list(dkdv.dkdv_k_tile), list(dkdv.dkdv_q_tile)]
+    assert (chosen["dkdv_num_warps"], chosen["dkdv_num_stages"]) == (dkdv.dkdv_warps, dkdv.dkdv_stages)
+    for s in members:
+        assert chosen["measured"][s["name"]] == {"ms": 0.25, "best_ms": 0.25, "before_ms": 1.0,
+                                                 "timing": "eager, L2 flushed"}
+    assert set(results) == {s["name"] + step for s in members for step in ("/dq", "/dkdv")}
