@@ -19,7 +19,7 @@ import torch
 
 def timer_class():
     """The benchmark's ``Timer`` (where the tree under test keeps it)."""
-    for module in ("na3d.tools.timing", "na3d.tools.bench", "na3d.bench"):
+    for module in ("na3d.tools.common", "na3d.bench"):
         try:
             return __import__(module, fromlist=["Timer"]).Timer
         except (ImportError, AttributeError):
@@ -37,7 +37,11 @@ def main(argv=None) -> None:
 
     import na3d
 
-    specs = json.loads((resources.files("na3d") / "bench_shapes.json").read_text())["shapes"]
+    # The package keeps the shapes in na3d/tools/ (older trees: na3d/).
+    folder = resources.files("na3d") / "tools"
+    if not (folder / "bench_shapes.json").is_file():
+        folder = resources.files("na3d")
+    specs = json.loads((folder / "bench_shapes.json").read_text())["shapes"]
     if args.shapes:
         specs = [s for s in specs if s["name"] in args.shapes]
     timer = timer_class()(torch.device("cuda"), graphs=True)

@@ -11,10 +11,8 @@ the kernels run in the Triton interpreter (fp16/fp32); on a GPU they run compile
 in bf16, and ``test_benchmark_shapes_on_gpu`` covers the benchmark shapes.
 """
 
-import json
 import math
 import random
-from importlib import resources
 
 import pytest
 import torch
@@ -220,8 +218,9 @@ def expected_nonfinite(shape, kernel, which, position, channel):
 @pytest.mark.parametrize("name", ["ltx-stage1", "ltx-stage3", "ltx-stage4-tile", "ltx-stage5-tile",
                                   "ltx-stage5-small", "edge-wide"])
 def test_benchmark_shapes_on_gpu(name, which):
-    shapes = json.loads((resources.files("na3d") / "bench_shapes.json").read_text())["shapes"]
-    spec = next(s for s in shapes if s["name"] == name)
+    from na3d.tools.common import bench_shapes
+
+    spec = next(s for s in bench_shapes() if s["name"] == name)
     shape, kernel = tuple(spec["shape"]), tuple(spec["kernel_size"])
     rng = random.Random(name + which)
     q, k, v = make_qkv(shape, torch.bfloat16, "fused_qkv", device="cuda", seed=7)
