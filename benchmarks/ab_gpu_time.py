@@ -33,6 +33,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="*", help="shape names (default: all benchmark shapes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--assume-finite", action="store_true",
+                        help="call with assume_finite=True (trees that have it): no check for inf/NaN")
     args = parser.parse_args(argv)
 
     import na3d
@@ -52,8 +54,10 @@ def main(argv=None) -> None:
         q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4))
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
+        extra = {"assume_finite": True} if args.assume_finite else {}
+
         def forward():
-            return na3d.na3d(*leaves, ks, scale=scale)
+            return na3d.na3d(*leaves, ks, scale=scale, **extra)
 
         def forward_backward():
             return torch.autograd.grad(forward(), leaves, do)

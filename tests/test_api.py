@@ -528,3 +528,17 @@ def test_features_forward_and_backward(case, dtype):
 
 def test_docstring_examples():
     assert doctest.testmod(api).failed == 0
+
+
+def test_assume_finite_is_validated_and_changes_nothing_on_finite_inputs(qkv, monkeypatch):
+    # The opt-out of the non-finite check: a bool; on finite inputs the same results,
+    # bit for bit (the check only decides whether a tile is computed again).
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="assume_finite"):
+        call(q, k, v, assume_finite=1)
+    monkeypatch.undo()
+    want = call(q, k, v, (3, 3, 3), return_lse=True)
+    got = call(q, k, v, (3, 3, 3), return_lse=True, assume_finite=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    flash = na3d.na3d_flash_attn(q * 0.25, k, v, 3, assume_finite=True)
+    assert torch.equal(flash, na3d.na3d_flash_attn(q * 0.25, k, v, 3))

@@ -147,6 +147,7 @@ def na3d(
     additional_keys: Optional[torch.Tensor] = None,
     additional_values: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    assume_finite: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """3D neighborhood attention: each query attends to the ``KT x KH x KW`` keys around it.
 
@@ -186,6 +187,11 @@ def na3d(
             ``additional_values`` (same shape).
         additional_values: see ``additional_keys``.
         return_lse: also return each query's natural-log log-sum-exp of its scores.
+        assume_finite: the caller guarantees that query, key and value hold no inf
+            or NaN: the kernels skip their check for them, and the recomputation
+            that keeps a non-finite input inside its windows (a few percent of the
+            GPU time on the shortest windows, see the README). With a non-finite
+            input the results are then undefined beyond the windows holding it.
 
     Returns:
         ``out``: a new contiguous tensor of query's shape and dtype; with
@@ -207,8 +213,12 @@ def na3d(
     was set before ``import na3d``, and otherwise the exact PyTorch reference
     (:func:`na3d.na3d_sdpa_exact`, differentiable through autograd).
 
-    Non-finite inputs: see the README's "non-finite inputs" row (Supported, and not
-    yet).
+    Non-finite inputs: an inf or NaN in a query, key or value reaches exactly the
+    outputs, log-sum-exps and gradients whose windows hold it, as IEEE arithmetic
+    over each window gives them; every other element is what a zero in its place
+    would give, bit for bit (kernels and references alike; the README's
+    "non-finite inputs" row). ``assume_finite=True`` drops that guarantee for
+    speed.
 
     Example:
         >>> import torch, na3d
@@ -229,15 +239,18 @@ def na3d(
         raise TypeError(f"scale={scale!r} must be a finite float or None")
     if not _is_bool(return_lse):
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
+    if not _is_bool(assume_finite):
+        raise TypeError(f"assume_finite={assume_finite!r} must be a bool")
     return_lse = bool(return_lse)
+    check = not assume_finite
     _check_additional(query, key, additional_keys, additional_values)
     if query.shape[0] == 0 or 0 in query.shape[1:4]:
         # An empty batch or grid: an empty result (the extra tokens, if any, have
         # no query to attend to).
         return _empty_result(query, key, value, return_lse)
     if additional_keys is None:
-        return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse)
-    out, lse = _dilated(query, key, value, ks, dil, causal, st, float(scale), True)
+        return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse, check)
+    out, lse = _dilated(query, key, value, ks, dil, causal, st, float(scale), True, check)
     extra_out, extra_lse = _attend_additional(query, additional_keys, additional_values, float(scale))
     out, lse = merge_attentions([out, extra_out], [lse, extra_lse])
     return (out, lse) if return_lse else out
@@ -284,19 +297,20 @@ def _attend_additional(query, keys, values, scale: float, score_budget: int = 1 
     return out, torch.cat(lses, 1).reshape(B, T, H, W, NH)
 
 
-def _dilated(q, k, v, kernel_size, dilation, causal, stride, scale: float, return_lse: bool):
+def _dilated(q, k, v, kernel_size, dilation, causal, stride, scale: float, return_lse: bool, check: bool):
     """Dilation by composition: NATTEN splits each axis into ``d`` groups by
     ``index % d`` and runs dilation-1 neighborhood attention inside each group. A group
     is a strided view (no copy); the groups' results are interleaved back. A causal
     axis stays causal inside each group, and strides count group positions (NATTEN's
     definitions)."""
     if dilation == (1, 1, 1):
-        return _grouped_heads(q, k, v, kernel_size, causal, stride, scale, return_lse)
+        return _grouped_heads(q, k, v, kernel_size, causal, stride, scale, return_lse, check)
     dt, dh, dw = dilation
     pieces = []
     for gt, gh, gw in itertools.product(range(dt), range(dh), range(dw)):
         view = (slice(None), slice(gt, None, dt), slice(gh, None, dh), slice(gw, None, dw))
-        pieces.append(_grouped_heads(q[view], k[view], v[view], kernel_size, causal, stride, scale, return_lse))
+        pieces.append(_grouped_heads(q[view], k[view], v[view], kernel_size, causal, stride, scale, return_lse,
+                                     check))
     if return_lse:
         return (_interleave([p[0] for p in pieces], dilation, q.shape[1:4]),
                 _interleave([p[1] for p in pieces], dilation, q.shape[1:4]))
@@ -325,24 +339,25 @@ def _interleave(pieces, dilation, spatial):
     return merged[:, :spatial[0], :spatial[1], :spatial[2]]
 
 
-def _grouped_heads(q, k, v, kernel_size, causal, stride, scale: float, return_lse: bool):
+def _grouped_heads(q, k, v, kernel_size, causal, stride, scale: float, return_lse: bool, check: bool):
     """Grouped-query attention by composition: the query heads of each key/value head
     see it through a zero-stride view (``expand``: nothing is copied)."""
     heads, kv_heads = q.shape[4], k.shape[4]
     if heads == kv_heads:
-        return _run(q, k, v, kernel_size, causal, stride, scale, return_lse)
+        return _run(q, k, v, kernel_size, causal, stride, scale, return_lse, check)
     group = heads // kv_heads
     shape = list(k.shape)
     shape[4] = group
     parts = [_run(q[..., j * group:(j + 1) * group, :], k[..., j:j + 1, :].expand(shape),
-                  v[..., j:j + 1, :].expand(shape), kernel_size, causal, stride, scale, return_lse)
+                  v[..., j:j + 1, :].expand(shape), kernel_size, causal, stride, scale, return_lse, check)
              for j in range(kv_heads)]
     if return_lse:
         return torch.cat([p[0] for p in parts], 4), torch.cat([p[1] for p in parts], 4)
     return torch.cat(parts, 4)
 
 
-def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTuple) -> torch.Tensor:
+def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTuple,
+                    assume_finite: bool = False) -> torch.Tensor:
     """3D neighborhood attention on pre-scaled queries: :func:`na3d` with ``scale=1.0``.
 
     The LTX-2.5 decoder's call: ``q`` already multiplied by ``HD ** -0.5``.
@@ -353,6 +368,7 @@ def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_si
         k: ``(B, T, H, W, NKV, HD)`` with ``NKV`` dividing ``NH``; q's dtype and device.
         v: k's shape, q's dtype and device.
         kernel_size: int or ``(KT, KH, KW)``, ``1 <= K <= size`` per axis.
+        assume_finite: as in :func:`na3d`.
 
     Returns:
         The output, q's shape and dtype; differentiable.
@@ -366,11 +382,11 @@ def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_si
         >>> torch.allclose(out, na3d.na3d(q, k, v, (3, 3, 5)), atol=1e-6)
         True
     """
-    return na3d(q, k, v, kernel_size, scale=1.0)
+    return na3d(q, k, v, kernel_size, scale=1.0, assume_finite=assume_finite)
 
 
 def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_size, stride, dilation,
-                is_causal, scale, return_lse, additional_keys=None, additional_values=None):
+                is_causal, scale, return_lse, additional_keys=None, additional_values=None, assume_finite=False):
     """na1d / na2d as na3d on views with unit leading spatial axes (no copies)."""
     n = rank - 3
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -385,7 +401,7 @@ def _lower_rank(fn_name: str, rank: int, layout: str, query, key, value, kernel_
     causal = (False,) * (3 - n) + _ntuple(is_causal, n, "is_causal", bool)
     lift = (slice(None),) + (None,) * (3 - n)
     result = na3d(query[lift], key[lift], value[lift], ks, st, dil, causal, scale, additional_keys,
-                  additional_values, return_lse=return_lse)
+                  additional_values, return_lse=return_lse, assume_finite=assume_finite)
     drop = (slice(None),) + (0,) * (3 - n)
     if return_lse:
         return result[0][drop], result[1][drop]
@@ -396,7 +412,8 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          stride: IntOrTuple = 1, dilation: IntOrTuple = 1, is_causal: BoolOrTuple = False,
          scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None,
-         return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+         return_lse: bool = False,
+         assume_finite: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """1D neighborhood attention over a sequence, ``natten.na1d``'s signature.
 
     Query ``i`` of a sequence of length ``L`` sees keys ``[s, s + K)``,
@@ -418,6 +435,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
             to, given with ``additional_values`` of the same shape.
         additional_values: see ``additional_keys``.
         return_lse: also return the float32 log-sum-exp ``(B, L, NH)``.
+        assume_finite: as in :func:`na3d`.
 
     Returns:
         ``out`` (query's shape and dtype), or ``(out, lse)``; differentiable.
@@ -432,14 +450,14 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         torch.Size([2, 50, 4, 32])
     """
     return _lower_rank("na1d", 4, "(B, L, NH, HD)", query, key, value, kernel_size, stride, dilation,
-                       is_causal, scale, return_lse, additional_keys, additional_values)
+                       is_causal, scale, return_lse, additional_keys, additional_values, assume_finite)
 
 
 def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: IntOrTuple,
          stride: IntOrTuple = 1, dilation: IntOrTuple = 1, is_causal: BoolOrTuple = False,
          scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False,
-         ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+         assume_finite: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """2D neighborhood attention over an image, ``natten.na2d``'s signature.
 
     Each query sees the ``KX x KY`` keys around it, windows shifted inward at the
@@ -461,6 +479,7 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         additional_keys: optional ``(B, S, NKV, HD)``, with ``additional_values``.
         additional_values: see ``additional_keys``.
         return_lse: also return the float32 log-sum-exp ``(B, X, Y, NH)``.
+        assume_finite: as in :func:`na3d`.
 
     Returns:
         ``out`` (query's shape and dtype), or ``(out, lse)``; differentiable.
@@ -472,4 +491,4 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         torch.Size([1, 12, 16, 2, 32])
     """
     return _lower_rank("na2d", 5, "(B, X, Y, NH, HD)", query, key, value, kernel_size, stride, dilation,
-                       is_causal, scale, return_lse, additional_keys, additional_values)
+                       is_causal, scale, return_lse, additional_keys, additional_values, assume_finite)

@@ -32,17 +32,18 @@ from . import launch, reference
 
 @torch.library.custom_op("na3d::forward", mutates_args=(), device_types=("cuda", "cpu"))
 def forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: List[int], scale: float,
-            need_lse: bool, is_causal: List[bool], stride: List[int]) -> Tuple[Tensor, Tensor]:
+            need_lse: bool, is_causal: List[bool], stride: List[int],
+            check_nonfinite: bool = True) -> Tuple[Tensor, Tensor]:
     """Returns ``(out, lse)``; ``lse`` is empty unless ``need_lse``."""
     out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, need_lse=need_lse, is_causal=is_causal,
-                                   stride=stride)
+                                   stride=stride, check_nonfinite=check_nonfinite)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
 
 
 @forward.register_fake
-def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride):
+def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride, check_nonfinite=True):
     lse_shape = q.shape[:-1] if need_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -50,20 +51,22 @@ def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride):
 @torch.library.custom_op("na3d::backward", mutates_args=(), device_types=("cuda", "cpu"))
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              grad_lse: Optional[Tensor], kernel_size: List[int], scale: float,
-             is_causal: List[bool], stride: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
+             is_causal: List[bool], stride: List[int],
+             check_nonfinite: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dq, dk, dv)`` given the gradients of ``out`` and (optionally) ``lse``."""
     dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
-                                      is_causal=is_causal, stride=stride)
+                                      is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite)
     return dq, dk, dv
 
 
 @backward.register_fake
-def _backward_fake(grad_out, q, k, v, out, lse, grad_lse, kernel_size, scale, is_causal, stride):
+def _backward_fake(grad_out, q, k, v, out, lse, grad_lse, kernel_size, scale, is_causal, stride,
+                   check_nonfinite=True):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kernel_size, scale, need_lse, is_causal, stride = inputs
+    q, k, v, kernel_size, scale, need_lse, is_causal, stride, check_nonfinite = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.kernel_size = kernel_size
@@ -71,6 +74,7 @@ def _setup_context(ctx, inputs, output):
     ctx.have_lse = need_lse
     ctx.is_causal = is_causal
     ctx.stride = stride
+    ctx.check_nonfinite = check_nonfinite
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -80,12 +84,13 @@ def _backward(ctx, grad_out, grad_lse):
     if not ctx.have_lse:
         # Called directly without the log-sum-exp (the public API asks for it whenever
         # a gradient can flow): recompute it rather than fail.
-        out, lse = forward(q, k, v, ctx.kernel_size, ctx.scale, True, ctx.is_causal, ctx.stride)
+        out, lse = forward(q, k, v, ctx.kernel_size, ctx.scale, True, ctx.is_causal, ctx.stride,
+                           ctx.check_nonfinite)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse, ctx.kernel_size, ctx.scale, ctx.is_causal,
-                          ctx.stride)
-    return dq, dk, dv, None, None, None, None, None
+                          ctx.stride, ctx.check_nonfinite)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -111,18 +116,18 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel_size, scale, is_causal, stride):
+    def forward(ctx, q, k, v, kernel_size, scale, is_causal, stride, check_nonfinite):
         out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, need_lse=True, is_causal=is_causal,
-                                       stride=stride)
+                                       stride=stride, check_nonfinite=check_nonfinite)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel_size, scale, is_causal, stride)
+        ctx.args = (kernel_size, scale, is_causal, stride, check_nonfinite)
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel_size, scale, is_causal, stride = ctx.args
+        kernel_size, scale, is_causal, stride, check_nonfinite = ctx.args
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled():
@@ -130,14 +135,15 @@ class EagerAttention(torch.autograd.Function):
             # differentiated again (there is no double backward) instead of silently
             # contributing no second-order terms.
             return (*backward(grad_out, q, k, v, out, lse, grad_lse, list(kernel_size), scale, list(is_causal),
-                              list(stride)), None, None, None, None)
+                              list(stride), check_nonfinite), None, None, None, None, None)
         dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
-                                          is_causal=is_causal, stride=stride)
-        return dq, dk, dv, None, None, None, None
+                                          is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[int], causal: Sequence[bool],
-             stride: Sequence[int], scale: float, return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+             stride: Sequence[int], scale: float, return_lse: bool,
+             check_nonfinite: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention on validated ``(B, T, H, W, NH, HD)`` inputs with equal head counts and
     dilation 1, by the path that suits the call: ``out``, or ``(out, lse)`` with
     ``return_lse``.
@@ -146,7 +152,9 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
     the Triton kernels: an eager call without a gradient through the launcher, an
     eager call that needs one through :class:`EagerAttention`, a traced call through
     the ``na3d::forward`` operator. Other CPU tensors get the exact PyTorch reference,
-    differentiable through autograd.
+    differentiable through autograd. ``check_nonfinite=False`` (inputs known to be
+    finite) skips the kernels' check for inf and NaN and the recomputation of the
+    tiles holding them (``kernels/common.py``).
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
@@ -155,17 +163,17 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
             # checks, autograd and fake-tensor plumbing) costs tens of microseconds
             # per call, as much as a small problem's kernel.
             out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
-                                           is_causal=causal, stride=stride)
+                                           is_causal=causal, stride=stride, check_nonfinite=check_nonfinite)
             return (out, lse) if return_lse else out
         if eager(query, key, value):
             # Training, eager: autograd without the operator's dispatch (see EagerAttention).
             out, lse = EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
-                                            tuple(stride))
+                                            tuple(stride), check_nonfinite)
             return (out, lse) if return_lse else out
         # Traced (torch.compile): the operator. The log-sum-exp is saved for the
         # backward only when a gradient can flow.
         out, lse = forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
-                           list(causal), list(stride))
+                           list(causal), list(stride), check_nonfinite)
         return (out, lse) if return_lse else out
     return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
                                      is_causal=causal, stride=stride)
