@@ -28,6 +28,8 @@ from na3d.kernels.backward import na3d_bwd_dq_kernel, na3d_bwd_dkdv_kernel
 # Flags a revision's kernels do not have are left out (older code had none).
 flags = {f: False for f in ("CAUSAL_T", "CAUSAL_H", "CAUSAL_W", "STRIDED") if f in na3d_fwd_kernel.arg_names}
 plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kernel.arg_names}
+# The first launch with its check for inf/NaN (revisions that have the flags).
+flags.update({f: v for f, v in (("CHECK", True), ("REDO", False)) if f in na3d_fwd_kernel.arg_names})
 tgt = GPUTarget("cuda", 90, 32)
 res = {}
 for entry in t.configs_for("sm90"):

@@ -55,7 +55,7 @@ def main() -> None:
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
     tma = not args.no_tma
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
-                      USE_TMA=tma)
+                      USE_TMA=tma, CHECK=True, REDO=False)  # the first launch, with its check
     if args.kernel == "dkdv":
         fn = na3d_bwd_dkdv_kernel
         constexprs.update(ACCUMULATE_DQ=False, BULK_DQ=False,

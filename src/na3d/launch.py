@@ -33,9 +33,19 @@ def _arch(device: torch.device) -> str:
     return configs.device_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def forward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.ForwardConfig:
+def _table_config(lookup, q: torch.Tensor, kernel_size: Sequence[int]):
+    """``lookup`` (``configs.forward_config`` or ``backward_config``) for ``q``'s device,
+    grid, head dim and dtype."""
     _, T, H, W, _, HD = q.shape
-    return configs.forward_config(_arch(q.device), (T, H, W), tuple(kernel_size), HD, q.dtype)
+    return lookup(_arch(q.device), (T, H, W), tuple(kernel_size), HD, q.dtype)
+
+
+def forward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.ForwardConfig:
+    return _table_config(configs.forward_config, q, kernel_size)
+
+
+def backward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.BackwardConfig:
+    return _table_config(configs.backward_config, q, kernel_size)
 
 
 def na3d_forward(
@@ -63,7 +73,7 @@ def na3d_forward(
     tests pass a NaN-filled one so that an element the kernel never writes shows.
     Returns ``(out, lse)``, ``lse`` float32 ``(B, T, H, W, NH)`` or None.
     """
-    from .kernels.forward import na3d_fwd_kernel, na3d_fwd_safe_kernel
+    from .kernels.forward import na3d_fwd_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -91,13 +101,14 @@ def na3d_forward(
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)))
-    na3d_fwd_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, num_warps=cfg.num_warps,
-                                      num_stages=cfg.num_stages, **configs.maxnreg_option(cfg.maxnreg))
+    na3d_fwd_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                      **configs.maxnreg_option(cfg.maxnreg))
     if check_nonfinite:
         # Tiles whose output holds an inf or NaN, again the safe way (kernels/common.py);
-        # same warps, so that its products are the fast kernel's, tile for tile.
-        na3d_fwd_safe_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, num_warps=cfg.num_warps,
-                                               num_stages=1)
+        # same warps, so that its products are the first launch's, tile for tile.
+        na3d_fwd_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.num_warps,
+                                          num_stages=1)
     return out, lse
 
 
@@ -144,8 +155,8 @@ def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
 
 
 def safe_grid(flags: torch.Tensor) -> Tuple[int]:
-    """Programs of a safe kernel (kernels/common.py): enough to read the flags in a
-    few loads each, at most one per SM (they only end when no flag is set)."""
+    """Programs of a kernel's second launch (kernels/common.py): enough to read the
+    flags in a few loads each, at most one per SM."""
     return (max(1, min(math.ceil(flags.numel() / 256), _sm_count(flags.device))),)
 
 
@@ -190,11 +201,6 @@ def tensor_descriptor(x: torch.Tensor, box: Sequence[int]):
     return TensorDescriptor(x, sizes, strides, [1, *box, HD])
 
 
-def backward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.BackwardConfig:
-    _, T, H, W, _, HD = q.shape
-    return configs.backward_config(_arch(q.device), (T, H, W), tuple(kernel_size), HD, q.dtype)
-
-
 def na3d_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -224,8 +230,7 @@ def na3d_backward(
     ``torch.use_deterministic_algorithms(True)`` the deterministic kernels run
     whatever the config says. ``check_nonfinite``: as in :func:`na3d_forward`.
     """
-    from .kernels.backward import (na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, na3d_bwd_dq_kernel,
-                                   na3d_bwd_dq_safe_kernel)
+    from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -265,16 +270,17 @@ def na3d_backward(
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
                      (T, H, W)), **common)
-    na3d_bwd_dq_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, num_warps=cfg.num_warps,
-                                         num_stages=cfg.num_stages, **configs.maxnreg_option(cfg.dq_maxnreg))
+    na3d_bwd_dq_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
+                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                         **configs.maxnreg_option(cfg.dq_maxnreg))
     if check_nonfinite:
-        na3d_bwd_dq_safe_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, num_warps=cfg.num_warps,
-                                                  num_stages=1)
+        na3d_bwd_dq_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.num_warps,
+                                             num_stages=1)
 
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
     use_tma = cfg.tma and tma_layout_ok(q, grad_out)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out]
-    dkdv_launch(na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, tiles, NH, B, cfg,
+    dkdv_launch(na3d_bwd_dkdv_kernel, tiles, NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
                  statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats),
                 (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
@@ -282,9 +288,9 @@ def na3d_backward(
     return dq, dk, dv
 
 
-def dkdv_launch(kernel, safe_kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
+def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
                 sizes, scale: float, constexprs: dict, check_nonfinite: bool) -> None:
-    """The dK/dV kernel on its grid, then its safe kernel (kernels/common.py).
+    """The dK/dV kernel on its grid, then its second launch (kernels/common.py).
     ``buffers``: the tensors and descriptors before the flags; ``strided``: the
     tensors whose strides follow (q, k, v, dO, dK, dV); ``sizes``: the grid and
     window sizes (T, H, W, KT, KH, KW, ST, SH, SW)."""
@@ -294,10 +300,10 @@ def dkdv_launch(kernel, safe_kernel, tiles, NH: int, B: int, cfg: configs.Backwa
             NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
-    kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, num_warps=cfg.dkdv_warps,
+    kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False, num_warps=cfg.dkdv_warps,
                              num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg))
     if check_nonfinite:
-        safe_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, num_warps=cfg.dkdv_warps, num_stages=1)
+        kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.dkdv_warps, num_stages=1)
 
 
 def statistics_buffer(q: torch.Tensor) -> torch.Tensor:
@@ -320,7 +326,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
                     check_nonfinite):
     """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
-    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel
+    from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
@@ -339,7 +345,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     descs = ([tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out])
     descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile) if bulk_dq else dq_acc)
     descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats)
-    dkdv_launch(na3d_bwd_dkdv_kernel, na3d_bwd_dkdv_safe_kernel, tiles, NH, B, cfg,
+    dkdv_launch(na3d_bwd_dkdv_kernel, tiles, NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
                 (T, H, W, KT, KH, KW, *stride), scale,
                 dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), check_nonfinite)

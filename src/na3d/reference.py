@@ -391,18 +391,11 @@ def _join_boxes(pieces: Dict[tuple, torch.Tensor]) -> torch.Tensor:
     return join(list(pieces), 0)
 
 
-def na3d_windowed(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kernel_size: Sequence[int],
-    scale: Optional[float] = None,
-    dilation: Sequence[int] = (1, 1, 1),
-    is_causal: Sequence[bool] = (False, False, False),
-    stride: Sequence[int] = (1, 1, 1),
-    compute_dtype: torch.dtype = torch.float64,
-    return_lse: bool = False,
-):
+def na3d_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Sequence[int],
+                  scale: Optional[float] = None, dilation: Sequence[int] = (1, 1, 1),
+                  is_causal: Sequence[bool] = (False, False, False), stride: Sequence[int] = (1, 1, 1),
+                  compute_dtype: torch.dtype = torch.float64,
+                  return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention of each query over its own window's keys only, gathered.
 
     The window of every query comes from ``geometry.neighborhood_mask``; windows

@@ -69,6 +69,7 @@ def na3d_bwd_dq_kernel(
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     CHECK: tl.constexpr,
+    REDO: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
     queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
@@ -76,66 +77,37 @@ def na3d_bwd_dq_kernel(
     runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
     picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
-    score scales to -inf). ``FLAGS``: as in the forward kernel, for
-    :func:`na3d_bwd_dq_safe_kernel`.
+    score scales to -inf). ``FLAGS``, ``REDO``: as in the forward kernel.
+
     """
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    tile = tl.program_id(0)
-    nonfinite = dq_tile(tile, head, batch, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
-        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-        stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-        stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
-        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, False, CHECK)
-    if CHECK:
-        tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
-
-
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
-def na3d_bwd_dq_safe_kernel(
-    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, FLAGS,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w, n_tiles, heads, n_programs,
-    qk_scale, scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    CHECK: tl.constexpr,
-):
-    """Grid: (G,), any G. The programs :func:`na3d_bwd_dq_kernel` flagged, computed
-    again the safe way (``kernels.common``; as :func:`na3d_fwd_safe_kernel`)."""
-    for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
-        flags = tl.load(FLAGS + start + tl.arange(0, FLAG_BLOCK), mask=start + tl.arange(0, FLAG_BLOCK) < n_programs,
-                        other=0)
-        if tl.max(flags.to(tl.int32), 0) != 0:
-            for j in range(FLAG_BLOCK):
-                program = start + j
-                if program < n_programs:
+    if REDO:
+        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+            block = start + tl.arange(0, FLAG_BLOCK)
+            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
+                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
                     if tl.load(FLAGS + program) != 0:
-                        dq_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads),
-                                Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
-        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-        stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-        stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
-        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, True, False)
+                        dq_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads), Q, K,
+                            V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
+                            stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb,
+                            stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow,
+                            stride_on, stride_dob, stride_dot, stride_doh, stride_dow, stride_don, stride_dqb,
+                            stride_dqt, stride_dqh, stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h,
+                            tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W,
+                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, True,
+                            False)
+    else:
+        head = tl.program_id(1)
+        batch = tl.program_id(2)
+        tile = tl.program_id(0)
+        nonfinite = dq_tile(tile, head, batch, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb,
+            stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+            stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow,
+            stride_on, stride_dob, stride_dot, stride_doh, stride_dow, stride_don, stride_dqb, stride_dqt, stride_dqh,
+            stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale,
+            scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
+            HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, False, CHECK)
+        if CHECK:
+            tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit
@@ -324,6 +296,7 @@ def na3d_bwd_dkdv_kernel(
     USE_TMA: tl.constexpr,
     BULK_DQ: tl.constexpr,
     CHECK: tl.constexpr,
+    REDO: tl.constexpr,
 ):
     """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
     of keys, scanning the queries that see any of them (one box of queries, see
@@ -340,70 +313,42 @@ def na3d_bwd_dkdv_kernel(
     (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
     through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
     box) instead of an atomic per element; rows of queries outside the scanned
-    range add exact zeros (their ``dS`` is masked to 0). ``FLAGS``: as in the
-    forward kernel, for :func:`na3d_bwd_dkdv_safe_kernel` (which adds no dQ terms).
+    range add exact zeros (their ``dS`` is masked to 0). ``FLAGS``, ``REDO``: as in the
+    forward kernel; the second launch adds no dQ terms (the fused kernel adds them
+    the safe way on every step).
+
+    ``REDO``: the second launch, on a grid (G,), any G: the programs the first
+    launch flagged are computed again the safe way (``kernels.common``), each by
+    one of the G programs in turn; where no flag is set (finite inputs), each
+    program reads its share of the flags and ends.
     """
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    tile = tl.program_id(0)
-    nonfinite = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
-                          STATS_DESC,
-        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh, stride_dow,
-        stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-        stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
-        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D,
-        K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False, CHECK)
-    if CHECK:
-        tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
-
-
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
-def na3d_bwd_dkdv_safe_kernel(
-    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, FLAGS,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w, n_tiles, heads, n_programs,
-    qk_scale, scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    BULK_DQ: tl.constexpr,
-    CHECK: tl.constexpr,
-):
-    """Grid: (G,), any G. The programs :func:`na3d_bwd_dkdv_kernel` flagged,
-    computed again the safe way (``kernels.common``; as :func:`na3d_fwd_safe_kernel`),
-    dK and dV only: whatever ``ACCUMULATE_DQ`` says, no dQ terms are added again
-    (the fused kernel adds them the safe way on every step)."""
-    for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
-        flags = tl.load(FLAGS + start + tl.arange(0, FLAG_BLOCK), mask=start + tl.arange(0, FLAG_BLOCK) < n_programs,
-                        other=0)
-        if tl.max(flags.to(tl.int32), 0) != 0:
-            for j in range(FLAG_BLOCK):
-                program = start + j
-                if program < n_programs:
+    if REDO:
+        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+            block = start + tl.arange(0, FLAG_BLOCK)
+            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
+                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
                     if tl.load(FLAGS + program) != 0:
-                        dkdv_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads),
-                                  Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh, stride_dow,
-        stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-        stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
-        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D,
-        K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
-                                  False, False, True, False)
+                        dkdv_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads), Q, K,
+                            V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, stride_qb, stride_qt,
+                            stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+                            stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh,
+                            stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+                            stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH,
+                            SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H,
+                            Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, False, False, True, False)
+    else:
+        head = tl.program_id(1)
+        batch = tl.program_id(2)
+        tile = tl.program_id(0)
+        nonfinite = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
+            STATS_DESC, stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh,
+            stride_kw, stride_kn, stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot,
+            stride_doh, stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
+            stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h,
+            tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T,
+            CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False, CHECK)
+        if CHECK:
+            tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit

@@ -35,6 +35,7 @@ def na3d_fwd_kernel(
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     CHECK: tl.constexpr,
+    REDO: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
     of one (batch, head), against the union of their windows, scanned in
@@ -64,63 +65,39 @@ def na3d_fwd_kernel(
 
     ``FLAGS``: int8 per program (``tile + n_tiles * (head + heads * batch)``), set to
     1 where the program's output holds an inf or NaN (``kernels.common``: the
-    launcher then runs :func:`na3d_fwd_safe_kernel`, which computes those tiles
-    again the safe way), 0 elsewhere.
+    second launch, ``REDO``, computes those tiles again the safe way), 0
+    elsewhere.
+
+    ``REDO``: the second launch, on a grid (G,), any G: the programs the first
+    launch flagged are computed again the safe way (``kernels.common``), each by
+    one of the G programs in turn; where no flag is set (finite inputs), each
+    program reads its share of the flags and ends.
     """
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    tile = tl.program_id(0)
-    nonfinite = forward_tile(tile, head, batch, Q, K, V, O, LSE, K_DESC, V_DESC,
-        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, False, CHECK)
-    if CHECK:
-        tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
-
-
-@triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
-def na3d_fwd_safe_kernel(
-    Q, K, V, O, LSE, K_DESC, V_DESC, FLAGS,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w, n_tiles, heads, n_programs,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    SCALE_SIGN: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    CHECK: tl.constexpr,
-):
-    """Grid: (G,), any G. The programs :func:`na3d_fwd_kernel` flagged (``FLAGS``),
-    computed again the safe way (``kernels.common``), each by one of the G
-    programs in turn. Where no flag is set (finite inputs), each program reads
-    its share of the flags and ends."""
-    for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
-        flags = tl.load(FLAGS + start + tl.arange(0, FLAG_BLOCK), mask=start + tl.arange(0, FLAG_BLOCK) < n_programs,
-                        other=0)
-        if tl.max(flags.to(tl.int32), 0) != 0:
-            for j in range(FLAG_BLOCK):
-                program = start + j
-                if program < n_programs:
+    if REDO:
+        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+            block = start + tl.arange(0, FLAG_BLOCK)
+            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
+                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
                     if tl.load(FLAGS + program) != 0:
-                        forward_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads),
-                                     Q, K, V, O, LSE, K_DESC, V_DESC,
-        stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-        stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-        T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-        KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, True, False)
+                        forward_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads), Q,
+                            K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
+                            stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt, stride_vh,
+                            stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT,
+                            KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
+                            KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA,
+                            MASK_T, MASK_H, MASK_W, True, False)
+    else:
+        head = tl.program_id(1)
+        batch = tl.program_id(2)
+        tile = tl.program_id(0)
+        nonfinite = forward_tile(tile, head, batch, Q, K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
+            stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt,
+            stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT, KH,
+            KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T,
+            KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W,
+            False, CHECK)
+        if CHECK:
+            tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit
