@@ -98,8 +98,10 @@ def assert_isolated(got, zeroed, oracle, oracle_zeroed):
             f"{name}: elements out of the non-finite inputs' reach differ from the zeroed-input run")
 
 
-# A quick sample by default (every tiling once); the whole sweep is marked slow.
-FUZZ_SEEDS = [pytest.param(s, marks=pytest.mark.slow) if s >= len(TILINGS) else s for s in range(28)]
+# A quick sample by default (fixed, bit-masked and per-step axes, causal, the plain
+# mask: the tilings of seeds 0, 1, 3 and 6); the whole sweep is marked slow.
+QUICK_SEEDS = (0, 1, 3, 6)
+FUZZ_SEEDS = [s if s in QUICK_SEEDS else pytest.param(s, marks=pytest.mark.slow) for s in range(28)]
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
@@ -134,7 +136,7 @@ def test_fuzz_kernels(seed):
                                   is_causal=causal, stride=stride)
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s >= 3 else s for s in range(10)])
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s >= 2 else s for s in range(10)])
 def test_fuzz_public_api(seed):
     # Dilation, grouped-query attention, even kernels and causal axes through the
     # public API (its own configurations), forward and autograd.
