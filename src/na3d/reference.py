@@ -398,12 +398,26 @@ def na3d_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size
                   return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention of each query over its own window's keys only, gathered.
 
-    The window of every query comes from ``geometry.neighborhood_mask``; windows
-    narrower than the widest (causal axes) are padded with a zero key and value
-    whose score is masked by selection, so nothing outside a window enters any
-    product. Gradients (autograd through the gather) likewise combine only the
-    pairs of a window. Grouped-query attention repeats the key/value heads.
-    Memory ``B * N * window * NH * HD``: tiny shapes only.
+    Same arguments and definition as :func:`na3d_brute_force` (``dilation``,
+    ``is_causal``, ``stride`` per axis in (T, H, W) order; grouped-query attention
+    by repeating the key/value heads), computed in ``compute_dtype``. The window
+    of every query comes from ``geometry.neighborhood_mask``; windows narrower
+    than the widest (causal axes) are padded with a zero key and value whose score
+    is masked by selection, so nothing outside a window enters any product, and
+    gradients (autograd through the gather) likewise combine only the pairs of a
+    window: an inf or NaN input reaches exactly the results whose windows hold it.
+    Memory ``B * N * window * NH * HD`` elements: tiny shapes only.
+
+    Returns the output in q's dtype, and with ``return_lse`` the natural-log
+    log-sum-exp ``(B, T, H, W, NH)`` in ``compute_dtype``.
+
+    Example:
+        >>> import torch, na3d
+        >>> q, k, v = (torch.randn(1, 3, 4, 5, 2, 8, dtype=torch.float64) for _ in range(3))
+        >>> k[0, 0, 0, 0, 0, 0] = float("nan")
+        >>> out = na3d.na3d_windowed(q, k, v, (3, 3, 3))
+        >>> int(out.isnan().any(-1).sum())  # head 0's queries whose windows hold that key
+        12
     """
     B, T, H, W, NH, HD = q.shape
     n = T * H * W
