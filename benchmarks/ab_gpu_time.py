@@ -48,31 +48,34 @@ def main(argv=None) -> None:
         specs = [s for s in specs if s["name"] in args.shapes]
     timer = timer_class()(torch.device("cuda"), graphs=True)
     for spec in specs:
-        shape, ks = tuple(spec["shape"]), tuple(spec["kernel_size"])
-        scale = shape[-1] ** -0.5
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4))
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-
-        extra = {"assume_finite": True} if args.assume_finite else {}
-
-        def forward():
-            return na3d.na3d(*leaves, ks, scale=scale, **extra)
-
-        def forward_backward():
-            return torch.autograd.grad(forward(), leaves, do)
-
-        fwd = [timer(forward, min_runs=20, target_ms=300) for _ in range(args.repeats)]
-        print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "fwd", "gpu_ms": statistics.median(fwd),
-                          "runs": [round(t, 5) for t in fwd]}), flush=True)
-        if args.no_backward:
-            continue
-        bwd = [timer(forward_backward, min_runs=20, target_ms=300) - timer(forward, min_runs=20, target_ms=300)
-               for _ in range(args.repeats)]
-        print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "bwd", "gpu_ms": statistics.median(bwd),
-                          "runs": [round(t, 5) for t in bwd]}), flush=True)
-        del leaves, q, k, v, do
+        time_shape(na3d, spec, timer, args)
         torch.cuda.empty_cache()
+
+
+def time_shape(na3d, spec, timer, args) -> None:
+    """Print the forward's (and backward's) GPU time on one benchmark shape."""
+    shape, ks = tuple(spec["shape"]), tuple(spec["kernel_size"])
+    scale = shape[-1] ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    extra = {"assume_finite": True} if args.assume_finite else {}
+
+    def forward():
+        return na3d.na3d(*leaves, ks, scale=scale, **extra)
+
+    def forward_backward():
+        return torch.autograd.grad(forward(), leaves, do)
+
+    fwd = [timer(forward, min_runs=20, target_ms=300) for _ in range(args.repeats)]
+    print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "fwd", "gpu_ms": statistics.median(fwd),
+                      "runs": [round(t, 5) for t in fwd]}), flush=True)
+    if args.no_backward:
+        return
+    bwd = [timer(forward_backward, min_runs=20, target_ms=300) - timer(forward, min_runs=20, target_ms=300)
+           for _ in range(args.repeats)]
+    print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "bwd", "gpu_ms": statistics.median(bwd),
+                      "runs": [round(t, 5) for t in bwd]}), flush=True)
 
 
 def summarize(path: str) -> None:

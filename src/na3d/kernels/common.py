@@ -306,7 +306,6 @@ def mark_reached_by_keys(OUT, out_rows, q_valid, src_base, stride_t, stride_h, s
     visible key's row reaches the element, 0 elsewhere. The program's scan over
     its union of windows, counting only, ``CHANNELS`` at a time so that it holds
     little, through pointers."""
-    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     steps_h = tl.cdiv(uh1 - uh0, KV_H)
     steps_w = tl.cdiv(uw1 - uw0, KV_W)
     n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
@@ -345,7 +344,6 @@ def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_t, stride_h
     """:func:`mark_reached_by_keys` for a program over a box of keys (dK/dV) whose
     final product takes one row of ``src`` per query (Q for dK, dO for dV): its
     scan over the queries ``[q0, q1)`` per axis that see its keys."""
-    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
