@@ -20,7 +20,7 @@ DUMP = r'''
 import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 root = sys.argv[1]
-sys.path[:0] = [root + "/src", root + "/tests"]
+sys.path[:0] = [root + "/src", root + "/tests/kernels", root + "/tests"]  # (tests/kernels: this layout)
 import test_compile_targets as t
 from triton.backends.compiler import GPUTarget
 from na3d.kernels.forward import na3d_fwd_kernel

@@ -22,16 +22,16 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests", "kernels")]
+sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests", "kernels"), HERE]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from sass_loop import key_loops  # noqa: E402
 from test_compile_targets import compile_for  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
 
 
@@ -49,25 +49,8 @@ def resources(kernel, maxnreg, warps) -> dict:
         sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spilled = re.search(r"(\d+) bytes spill stores", report)
-    instructions, labels, pending = [], {}, None
-    for line in sass.splitlines():
-        label = re.match(r"\s*\.L_x_(\d+):", line)
-        if label:
-            pending = label.group(1)
-            continue
-        m = ADDRESS.search(line)
-        if m:
-            address = int(m.group(1), 16)
-            instructions.append((address, line.split("*/", 1)[1].split(";")[0].strip()))
-            if pending is not None:
-                labels[pending], pending = address, None
-    loop = []
-    for address, text in instructions:  # the first backward branch around tensor-core products
-        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
-        if m and labels.get(m.group(1), address) < address:
-            loop = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
-            if any("GMMA" in t or "HMMA" in t for t in loop):
-                break
+    _, loops = key_loops(sass)
+    loop = loops[0] if loops else []  # the first key loop: the first launch's
     shared = kernel.metadata.shared
     per_sm = min(REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * warps), SHARED_PER_SM // max(1, shared + 1024))
     return {"registers": registers, "spilled_bytes": int(spilled.group(1)) if spilled else 0, "shared": shared,

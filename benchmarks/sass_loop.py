@@ -23,7 +23,7 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests")]
+sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests", "kernels")]
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -31,6 +31,34 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from test_compile_targets import compile_for  # noqa: E402
 
 ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
+
+
+def key_loops(sass: str):
+    """``(instructions, loops)`` of a kernel's SASS (``nvdisasm -c``): its instructions
+    as ``(address, text)``, and the bodies of its key loops, in code order: backward
+    branches around tensor-core products (HGMMA: Hopper's warpgroup products, 64+
+    query rows; HMMA: mma.sync, smaller query boxes) with no exit inside."""
+    # Instruction lines with their addresses; labels with the address that follows them.
+    instructions, labels, pending = [], {}, None
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.L_x_(\d+):", line)
+        if label:
+            pending = label.group(1)
+            continue
+        m = ADDRESS.search(line)
+        if m:
+            address = int(m.group(1), 16)
+            instructions.append((address, line.split("*/", 1)[1].split(";")[0].strip()))
+            if pending is not None:
+                labels[pending], pending = address, None
+    loops = []
+    for address, text in instructions:
+        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
+        if m and labels.get(m.group(1), address) < address:
+            body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
+            if any("HGMMA" in t or "HMMA" in t for t in body) and not any(t.startswith("EXIT") for t in body):
+                loops.append(body)
+    return instructions, loops
 
 
 def main() -> None:
@@ -74,29 +102,7 @@ def main() -> None:
         nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
-    # Instruction lines with their addresses; labels with the address that follows them.
-    instructions, labels, pending = [], {}, None
-    for line in sass.splitlines():
-        label = re.match(r"\s*\.L_x_(\d+):", line)
-        if label:
-            pending = label.group(1)
-            continue
-        m = ADDRESS.search(line)
-        if m:
-            address = int(m.group(1), 16)
-            instructions.append((address, line.split("*/", 1)[1].split(";")[0].strip()))
-            if pending is not None:
-                labels[pending], pending = address, None
-    # Loops: backward branches. The key loop is the largest one holding the
-    # tensor-core products (HGMMA: Hopper's warpgroup products, 64+ query rows;
-    # HMMA: mma.sync, smaller query boxes) and no exit.
-    loops = []
-    for address, text in instructions:
-        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
-        if m and labels.get(m.group(1), address) < address:
-            body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
-            if any("HGMMA" in t or "HMMA" in t for t in body) and not any(t.startswith("EXIT") for t in body):
-                loops.append(body)
+    instructions, loops = key_loops(sass)
     if not loops:
         sys.exit("no key loop found")
     scores = (qt * qh * qw) * (kt * kh * kw) // (32 * args.warps)
