@@ -32,8 +32,8 @@ import triton.language as tl
 
 from .common import (FLAG_BLOCK, MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, count_nonfinite,
                      finite_part, fixed_mask_bias, has_nonfinite, load_rows, mark_reached_by_keys,
-                     mark_reached_by_queries, next_box, queries_seeing, seen_by, sees, step_mask_bias, step_visible,
-                     union_of_windows, window_bits, window_bounds)
+                     mark_reached_by_queries, next_box, nonfinite_rows, queries_seeing, seen_by, sees, step_mask_bias,
+                     step_visible, union_of_windows, window_bits, window_bounds)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -340,7 +340,12 @@ def na3d_bwd_dkdv_kernel(
         head = tl.program_id(1)
         batch = tl.program_id(2)
         tile = tl.program_id(0)
-        nonfinite = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
+        # The flag: 0 first, then 1 from the threads holding non-finite rows (see
+        # dkdv_tile), after a barrier so that no 0 lands after a 1.
+        flag = FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64))
+        if CHECK:
+            tl.store(flag, tl.zeros([], tl.int8))
+        nonfinite_rows = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
             STATS_DESC, stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh,
             stride_kw, stride_kn, stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot,
             stride_doh, stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
@@ -348,7 +353,9 @@ def na3d_bwd_dkdv_kernel(
             tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T,
             CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False, CHECK)
         if CHECK:
-            tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+            tl.debug_barrier()
+            tl.store(flag + tl.zeros_like(nonfinite_rows).to(tl.int64), tl.full(nonfinite_rows.shape, 1, tl.int8),
+                     mask=nonfinite_rows)
 
 
 @triton.jit
@@ -369,7 +376,7 @@ def dkdv_tile(
     USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr,
     CHECK: tl.constexpr,
 ):
-    """One dK/dV program's work. Returns (with ``CHECK``) whether its dK or dV holds an inf or NaN.
+    """One dK/dV program's work. Returns (with ``CHECK``) which of its rows of dK or dV hold an inf or NaN.
     ``SAFE``: the safe way (``kernels.common``)."""
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
@@ -425,12 +432,14 @@ def dkdv_tile(
     dv = dv.to(DV.dtype.element_ty)
     tl.store(dk_ptrs, dk, mask=store)
     tl.store(dv_ptrs, dv, mask=store)
-    # Checked as stored: the float32 accumulators are dead by then, which keeps
-    # the loop's register allocation as it was (a value that overflows the
-    # storage type is flagged too, and merely recomputed).
+    # Checked as stored, row by row: the float32 accumulators are dead by then,
+    # and a row's sum needs no shared memory, which keeps the loop's register
+    # allocation within 4 instructions of the unchecked kernel's (a whole-tile sum
+    # cost 18 and a spill: NOTES v21). A value that overflows the storage type is
+    # flagged too, and merely recomputed.
     if CHECK:
-        return has_nonfinite(dk) | has_nonfinite(dv)
-    return tl.zeros([], tl.int1)
+        return nonfinite_rows(dk) | nonfinite_rows(dv)
+    return tl.zeros([BLOCK_N], tl.int1)
 
 
 @triton.jit

@@ -278,6 +278,15 @@ def has_nonfinite(x):
 
 
 @triton.jit
+def nonfinite_rows(x):
+    """Per row of the 2-D tile ``x``: whether it holds an inf or NaN (as
+    :func:`has_nonfinite`, one sum per row). A row's sum stays within the threads
+    that hold the row, where the whole tile's needs shared memory and a barrier."""
+    total = tl.sum(x.to(tl.float32), 1)
+    return (total != total) | (tl.abs(total) == float("inf"))
+
+
+@triton.jit
 def finite_part(x):
     """``x`` with its non-finite elements replaced by 0, and which elements were
     finite."""
