@@ -1,7 +1,8 @@
 """The Triton backward kernels against float64 autograd.
 
 Interpreter on a machine without a GPU (fp16 and fp32), compiled on a GPU, where the
-``gpu`` tests add bf16 gradients on the benchmark shapes.
+``gpu`` tests add bf16 gradients on the LTX benchmark shapes and, on a reduced grid,
+in the video-DiT regime (head dim 128, large windows).
 """
 
 import dataclasses
@@ -300,7 +301,7 @@ def test_causal_kernel_tiles(causal):
 
 
 # --------------------------------------------------------------------------------
-# GPU: bf16/fp16 gradients on the benchmark shapes
+# GPU: bf16/fp16 gradients on the LTX benchmark shapes; the DiT regime at head dim 128
 # --------------------------------------------------------------------------------
 
 def reference_grads(q, k, v, grad_out, kernel, scale, dtype, chunks=8):
@@ -319,7 +320,7 @@ def reference_grads(q, k, v, grad_out, kernel, scale, dtype, chunks=8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("spec", bench_shapes(), ids=lambda s: s["name"])
+@pytest.mark.parametrize("spec", bench_shapes("ltx"), ids=lambda s: s["name"])
 def test_gradients_on_benchmark_shapes(spec, dtype):
     shape, kernel = tuple(spec["shape"]), tuple(spec["kernel_size"])
     scale = shape[-1] ** -0.5
@@ -327,10 +328,40 @@ def test_gradients_on_benchmark_shapes(spec, dtype):
     grad_out = torch.randn(shape, dtype=dtype, device="cuda")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     na3d.na3d(*leaves, kernel).backward(grad_out)
+    assert_grads_near_reference([t.grad for t in leaves], q, k, v, grad_out, kernel, scale)
+
+
+def assert_grads_near_reference(grads, q, k, v, grad_out, kernel, scale):
+    """Gradients against the float32 reference's: within twice the error of the
+    reference run at q's dtype (the same math), plus a rounding band."""
+    dtype = q.dtype
     oracle = reference_grads(q, k, v, grad_out, kernel, scale, torch.float32)
     same_math = reference_grads(q, k, v, grad_out, kernel, scale, dtype)
-    for name, leaf, want, pt in zip(("dq", "dk", "dv"), leaves, oracle, same_math):
-        err = (leaf.grad.float() - want).abs().max().item()
+    for name, grad, want, pt in zip(("dq", "dk", "dv"), grads, oracle, same_math):
+        err = (grad.float() - want).abs().max().item()
         tol = 2 * (pt.float() - want).abs().max().item() + 2 * torch.finfo(dtype).eps * max(
             1.0, want.abs().max().item())
         assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [(5, 7, 7), (8, 12, 12)], ids=str)
+def test_dit_regime_head_dim_128(kernel):
+    """The video-DiT shapes (``bench_shapes("dit")``: head dim 128, windows of
+    hundreds to thousands of keys) on a grid small enough for the float32 oracle:
+    bf16 forward and gradients through the public op. (8, 12, 12): even kernels,
+    two of them spanning their whole axis."""
+    shape, dtype = (1, 8, 12, 16, 2, 128), torch.bfloat16
+    scale = shape[-1] ** -0.5
+    q, k, v = make_qkv(shape, dtype, device="cuda", seed=11)
+    grad_out = make_qkv(shape, dtype, device="cuda", seed=12)[0]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = na3d.na3d(*leaves, kernel)
+    oracle = na3d.na3d_sdpa_exact(q.float(), k.float(), v.float(), kernel, scale=scale)
+    same_math = na3d.na3d_sdpa_exact(q, k, v, kernel, scale=scale)
+    err = (out.float() - oracle).abs().max().item()
+    tol = 2 * (same_math.float() - oracle).abs().max().item() + 2 * torch.finfo(dtype).eps * max(
+        1.0, oracle.abs().max().item())
+    assert err <= tol, f"forward: max abs error {err:.3e} > tolerance {tol:.3e}"
+    out.backward(grad_out)
+    assert_grads_near_reference([t.grad for t in leaves], q, k, v, grad_out, kernel, scale)

@@ -15,9 +15,21 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def bench_shapes() -> List[dict]:
-    """The benchmark shapes (``bench_shapes.json``, package data): name, shape, kernel size."""
-    return json.loads((resources.files(__package__) / "bench_shapes.json").read_text())["shapes"]
+SHAPE_GROUPS = ("ltx", "dit", "all")
+
+
+def bench_shapes(group: str = "ltx") -> List[dict]:
+    """The benchmark shapes (``bench_shapes.json``, package data): name, group, shape, kernel size.
+
+    ``group``: ``"ltx"`` (the default) for the LTX-2.5 decoder's shapes, head dim 64,
+    what the tuner, the GPU tests and the A/B scripts run on; ``"dit"`` for the
+    video-DiT training shapes (head dim 128, windows of thousands of keys: too large
+    for the tests' float32 oracles); ``"all"`` for both, in the file's order.
+    """
+    if group not in SHAPE_GROUPS:
+        raise ValueError(f"group must be one of {SHAPE_GROUPS}, got {group!r}")
+    shapes = json.loads((resources.files(__package__) / "bench_shapes.json").read_text())["shapes"]
+    return [s for s in shapes if group == "all" or s["group"] == group]
 
 
 class Timer:
