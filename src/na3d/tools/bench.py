@@ -1,18 +1,28 @@
-"""Benchmark: na3d against the exact grouped-SDPA reference and FlexAttention.
+"""Benchmark: na3d against NATTEN, comfy-kitchen, FlexAttention and the exact reference.
 
-    python -m na3d.bench                 # forward, the six LTX-2.5 shapes, bf16
+    python -m na3d.bench                 # forward, every shape (LTX-2.5 and video DiT), bf16
     python -m na3d.bench --backward      # ... and the backward (dq, dk, dv from dO)
+    python -m na3d.bench --group dit     # only the video-DiT shapes (head dim 128)
     python -m na3d.bench --decoder       # ... and the LTX-2.5 decoder end to end (diffusers)
     python -m na3d.bench --shapes edge-wide ltx-stage1 --no-flex
 
 On a GPU, in one process: measures the two ceilings (device-to-device copy
 bandwidth; dense SDPA flash-attention rate), then per shape times every method
-(median of many runs, L2 flushed before each), checks na3d's error against a float32
-oracle, prints a table and writes ``benchmarks/results/<device>.json`` and a plot.
-With ``--backward`` each bwd row also records ``bwd_over_fwd``, and the ceilings
-gain ``dense_reference``: dense attention's own forward and backward (no mask;
-FA2, cuDNN, FlexAttention) on the same GPU.
+(median of many runs, L2 flushed before each), checks each one's error against a
+float32 oracle, prints tables and writes ``benchmarks/results/<device>.json`` and a
+plot. With ``--backward`` each bwd row also records ``bwd_over_fwd`` and
+``fwd_plus_bwd`` (a training step's attention: forward + backward per method), and
+the ceilings gain ``dense_reference``: dense attention's own forward and backward
+(no mask; FA2, cuDNN, FlexAttention) on the same GPU.
 Without a GPU it says so and runs a small CPU demonstration instead.
+
+Methods: ``na3d``; ``sdpa_exact``, the grouped-SDPA reference (forward, not timed on
+the DiT shapes: seconds per call); ``flex``, FlexAttention compiled with a
+neighborhood ``BlockMask``; and the peers of ``tools/peers.py`` where they run:
+``natten_hopper`` (NATTEN's Hopper FNA, forward and backward, its fastest
+configuration per shape), ``comfy_cuda`` and ``comfy_triton`` (comfy-kitchen,
+forward, head dim <= 64). A peer that is not installed, or not built for this GPU,
+is left out with one note at the start of the run.
 
 ``ms`` is the time of an eager call (CUDA events around it): what a caller sees,
 host work included. For na3d each row also records ``gpu_ms``, its GPU time alone
@@ -26,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -41,7 +52,12 @@ import torch.nn.functional as F
 from .. import geometry, launch
 from ..api import na3d
 from ..reference import na3d_brute_force, na3d_sdpa_exact
-from .common import Timer, bench_shapes, log
+from . import peers
+from .common import SHAPE_GROUPS, Timer, bench_shapes, log
+
+# Runs per configuration when choosing NATTEN's fastest (after a warm-up and an
+# estimate): enough to rank configurations whose times differ by more than noise.
+CONFIG_TRIAL_RUNS = 3
 
 
 def useful_flops(shape, kernel_size) -> float:
@@ -59,7 +75,7 @@ def measure_ceilings(timer: Timer, device) -> Dict[str, float]:
     n = (2 << 30) // 2  # 2 GiB of bf16
     src = torch.randn(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src), min_runs=20)
+    ms = timer(functools.partial(dst.copy_, src), min_runs=20)
     copy_tbs = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
     del src, dst
     B, heads, seq, hd = 1, 8, 32768, 64
@@ -140,8 +156,14 @@ def device_slug(name: str) -> str:
 
 def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
                 dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None) -> dict:
-    """Time every method on one shape; error of na3d against a float32 oracle. With
-    ``gpu_timer`` (a ``Timer(graphs=True)``), na3d's GPU time too (``gpu_ms``)."""
+    """Time every method on one shape; error of each against a float32 oracle. With
+    ``gpu_timer`` (a ``Timer(graphs=True)``), na3d's GPU time too (``gpu_ms``).
+
+    Methods other than na3d that do not run on this shape are listed in
+    ``skipped`` (why), those that failed in ``errors``. NATTEN's configuration
+    is chosen here (:func:`natten_forward_choice`) and recorded as
+    ``natten_hopper_config``.
+    """
     name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
     B, T, H, W, NH, HD = shape
     scale = HD ** -0.5
@@ -150,8 +172,8 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     flops, nbytes = useful_flops(shape, ks), min_bytes(shape, q.element_size())
     floor_ms = max(flops / (ceilings["dense_attn_tflops"] * 1e12), nbytes / (ceilings["copy_tbs"] * 1e12)) * 1e3
     cfg = launch.forward_config(q, ks)
-    row = {"name": name, "shape": list(shape), "kernel_size": list(ks), "dtype": str(dtype).split(".")[-1],
-           "pass": "fwd", "ms": {}, "floor_ms": round(floor_ms, 5),
+    row = {"name": name, "group": spec.get("group"), "shape": list(shape), "kernel_size": list(ks),
+           "dtype": str(dtype).split(".")[-1], "pass": "fwd", "ms": {}, "floor_ms": round(floor_ms, 5),
            "floor_bound": "compute" if flops / (ceilings["dense_attn_tflops"] * 1e12)
            > nbytes / (ceilings["copy_tbs"] * 1e12) else "memory",
            "config": {"q_tile": list(cfg.q_tile), "kv_tile": list(cfg.kv_tile), "num_warps": cfg.num_warps,
@@ -164,12 +186,39 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     row["max_abs_err"] = float((out.float() - oracle).abs().max())
     ref_bf16 = na3d_sdpa_exact(q, k, v, ks, scale=scale)
     row["sdpa_exact_max_abs_err"] = float((ref_bf16.float() - oracle).abs().max())
-    del oracle, out, ref_bf16
+    del out, ref_bf16
 
-    runners = {
-        "na3d": lambda: na3d(q, k, v, ks, scale=scale),
-        "sdpa_exact": lambda: na3d_sdpa_exact(q, k, v, ks, scale=scale),
-    }
+    runners = {"na3d": lambda: na3d(q, k, v, ks, scale=scale)}
+    if spec.get("group") == "dit":
+        if "sdpa_exact" in methods:
+            skip(row, "sdpa_exact", "not timed on the DiT shapes (seconds per call); its error is measured")
+    else:
+        runners["sdpa_exact"] = lambda: na3d_sdpa_exact(q, k, v, ks, scale=scale)
+    for method in peers.METHODS:
+        if method not in methods:
+            continue
+        reason = peers.skip_reason(method, shape, dtype)
+        if reason is not None:
+            skip(row, method, reason)
+            continue
+        try:
+            if method == peers.NATTEN:
+                log(f"  {name}: choosing NATTEN's forward configuration")
+                config = natten_forward_choice(row, q, k, v, ks, scale, timer)
+                if config is None:
+                    continue
+                # natten.na3d as a user calls it: its token permutations are timed too.
+                runners[method] = functools.partial(peers.natten_hopper, q, k, v, ks, scale, **config)
+            else:
+                # comfy-kitchen's backend function on the same (B, T, H, W, NH, HD) tensors,
+                # no layout change (what it does besides its kernel: peers.comfy_kernel).
+                runners[method] = functools.partial(peers.comfy_kernel(method), q, k, v, list(ks), None, scale)
+            row[f"{method}_max_abs_err"] = float((runners[method]().float() - oracle).abs().max())
+        except Exception as exc:  # report, keep benchmarking the rest
+            fail(row, method, exc)
+            runners.pop(method, None)
+    del oracle
+    torch.cuda.empty_cache()
     if "flex" in methods:
         try:
             from torch.nn.attention.flex_attention import flex_attention
@@ -194,8 +243,13 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
             continue
         log(f"  {name}: timing {method}")
         slow = method != "na3d"
-        row["ms"][method] = round(timer(runners[method], min_runs=5 if slow else 20,
-                                        target_ms=1000 if slow else 300), 5)
+        try:
+            row["ms"][method] = round(timer(runners[method], min_runs=5 if slow else 20,
+                                            target_ms=1000 if slow else 300), 5)
+        except Exception as exc:  # e.g. out of memory in a baseline: report it
+            if not slow:
+                raise
+            fail(row, method, exc)
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d (graph replay)")
@@ -204,8 +258,53 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
         t = row["ms"]["na3d"] * 1e-3
         row["na3d_tflops"] = round(flops / t / 1e12, 1)
         row["na3d_tbs"] = round(nbytes / t / 1e12, 3)
-        row["speedup_vs"] = {m: round(ms / row["ms"]["na3d"], 2) for m, ms in row["ms"].items() if m != "na3d"}
+        record_speedups(row)
     return row
+
+
+def skip(row: dict, method: str, reason: str) -> None:
+    """``row["skipped"][method]``: a method not run on this row, and why."""
+    row.setdefault("skipped", {})[method] = reason
+
+
+def fail(row: dict, method: str, exc: Exception) -> None:
+    """``row["errors"][method]``: a method that raised on this row (the others go on)."""
+    row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
+    log(f"  {row['name']}: {method} failed: {row['errors'][method]}")
+
+
+def record_speedups(row: dict) -> None:
+    """``row["speedup_vs"]``: each other method's time over na3d's (above 1: na3d is faster)."""
+    row["speedup_vs"] = {m: round(ms / row["ms"]["na3d"], 2) for m, ms in row["ms"].items() if m != "na3d"}
+
+
+def natten_forward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer) -> Optional[dict]:
+    """NATTEN's fastest forward configuration on these inputs, as ``natten.na3d`` keywords.
+
+    Each configuration NATTEN offers (at most ``peers.MAX_CONFIGS``) is timed
+    briefly (``CONFIG_TRIAL_RUNS`` runs); the row records the chosen one
+    (``natten_hopper_config``), every trial's median ms (``natten_hopper_trials``)
+    and the failures. None when none ran.
+    """
+    def trial(config):
+        fn = functools.partial(peers.natten_hopper, q, k, v, kernel_size, scale, **config)
+        return timer(fn, min_runs=CONFIG_TRIAL_RUNS, target_ms=0, max_runs=CONFIG_TRIAL_RUNS)
+
+    return record_choice(row, *peers.best_config(peers.natten_configs(q), trial))
+
+
+def record_choice(row: dict, best: Optional[dict], times: Dict[str, float], errors: Dict[str, str],
+                  base: Optional[dict] = None) -> Optional[dict]:
+    """Record NATTEN's chosen configuration (``base``'s keywords with it) and its trials in ``row``."""
+    row["natten_hopper_trials"] = times
+    if errors:
+        row["natten_hopper_config_errors"] = errors
+    if best is None:
+        row.setdefault("errors", {})[peers.NATTEN] = "no configuration ran: " + "; ".join(errors.values())[:300]
+        log(f"  {row['name']}: {peers.NATTEN}: {row['errors'][peers.NATTEN]}")
+        return None
+    row["natten_hopper_config"] = peers.config_json(dict(base or {}, **best))
+    return best
 
 
 def record_gpu_time(row: dict, ms: float, floor_ms: float) -> None:
@@ -215,12 +314,18 @@ def record_gpu_time(row: dict, ms: float, floor_ms: float) -> None:
 
 
 def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
-                 dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None) -> dict:
+                 dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None,
+                 natten_forward_config: Optional[dict] = None) -> dict:
     """Time dq, dk, dv from a given dO (forward excluded) for every method on one shape.
 
-    na3d and FlexAttention are timed the same way: ``torch.autograd.grad`` of their
-    retained graphs. ``na3d_fused`` is the one-pass backward (dQ by atomic adds)
+    na3d, NATTEN and FlexAttention are timed the same way: ``torch.autograd.grad`` of
+    their retained graphs. ``na3d_fused`` is the one-pass backward (dQ by atomic adds)
     through the launcher, when the table's config is the two-kernel one.
+    NATTEN's backward configurations are timed with its forward configuration
+    ``natten_forward_config`` (the forward row's ``natten_hopper_config``; chosen
+    here when None) and the fastest kept (``natten_hopper_config`` holds both).
+    Errors: each method's gradients against the float32 reference's
+    (:func:`reference_grads`).
     Floor: the backward does 2.5x the forward's matrix work (five products instead of
     two) and moves 8 tensors (q, k, v, o, dO in; dq, dk, dv out) instead of 4.
     ``gpu_timer``: as in :func:`forward_row`. A backward replays in a CUDA graph only
@@ -235,8 +340,8 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     flops, nbytes = 2.5 * useful_flops(shape, ks), 2 * min_bytes(shape, q.element_size())
     floor_ms = max(flops / (ceilings["dense_attn_tflops"] * 1e12), nbytes / (ceilings["copy_tbs"] * 1e12)) * 1e3
     cfg = launch.backward_config(q, ks)
-    row = {"name": name, "shape": list(shape), "kernel_size": list(ks), "dtype": str(dtype).split(".")[-1],
-           "pass": "bwd", "ms": {}, "floor_ms": round(floor_ms, 5),
+    row = {"name": name, "group": spec.get("group"), "shape": list(shape), "kernel_size": list(ks),
+           "dtype": str(dtype).split(".")[-1], "pass": "bwd", "ms": {}, "floor_ms": round(floor_ms, 5),
            "config": {"dq": [list(cfg.dq_q_tile), list(cfg.dq_kv_tile)],
                       "dkdv": [list(cfg.dkdv_k_tile), list(cfg.dkdv_q_tile)],
                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
@@ -262,19 +367,31 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
             return graph_of(lambda a, b, c: from_flex_layout(
                 flex_fn(*(to_flex_layout(x) for x in (a, b, c)), block_mask=bm, scale=scale), shape))
         runners["flex"] = flex_graph
-    # Gradients of na3d against the float32 reference's, W chunk by W chunk.
+    for method in peers.METHODS:
+        if method in methods:
+            reason = peers.skip_reason(method, shape, dtype, backward=True)
+            if reason is not None:
+                skip(row, method, reason)
+    if peers.NATTEN in methods and peers.NATTEN not in row.get("skipped", {}):
+        try:
+            config = natten_backward_choice(row, q, k, v, ks, scale, timer, graph_of, natten_forward_config)
+            if config is not None:
+                runners[peers.NATTEN] = lambda: graph_of(
+                    functools.partial(peers.natten_hopper, kernel_size=ks, scale=scale, **config))
+        except Exception as exc:
+            fail(row, peers.NATTEN, exc)
+    # Gradients of every method against the float32 reference's.
     log(f"  {name}: backward error vs float32 grouped-SDPA autograd")
+    ref = reference_grads(q, k, v, do, ks, scale)
     grads = runners["na3d"]()()
-    row["max_abs_err"] = {n: 0.0 for n in ("dq", "dk", "dv")}
-    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    chunk = max(1, W // 8)
-    for w0 in range(0, W, chunk):
-        w1 = min(W, w0 + chunk)
-        out = na3d_sdpa_exact(ref[0][:, :, :, w0:w1], ref[1], ref[2], ks, scale=scale, w_offset=w0)
-        out.backward(do[:, :, :, w0:w1].float())
-    for n, g, r in zip(("dq", "dk", "dv"), grads, ref):
-        row["max_abs_err"][n] = float((g.float() - r.grad).abs().max())
+    row["max_abs_err"] = grad_errors(grads, ref)
     del grads
+    if peers.NATTEN in runners:
+        try:
+            row["natten_hopper_max_abs_err"] = grad_errors(runners[peers.NATTEN]()(), ref)
+        except Exception as exc:
+            fail(row, peers.NATTEN, exc)
+            runners.pop(peers.NATTEN)
     # The one-pass backward (dQ by atomic adds; not the default unless the table
     # says so), timed beside it through the launcher: its error against the same
     # reference first.
@@ -288,12 +405,11 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         runners["na3d_fused"] = lambda: fused_backward
         methods = list(methods) + ["na3d_fused"]
         try:
-            row["max_abs_err_fused"] = {n: float((g.float() - r.grad).abs().max())
-                                        for n, g, r in zip(("dq", "dk", "dv"), fused_backward(), ref)}
+            row["max_abs_err_fused"] = grad_errors(fused_backward(), ref)
         except Exception as exc:
             row.setdefault("errors", {})["na3d_fused"] = f"{type(exc).__name__}: {exc}"[:300]
             methods.remove("na3d_fused")
-    del ref, out
+    del ref
     torch.cuda.empty_cache()
     for method in methods:
         if method not in runners:
@@ -306,8 +422,11 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         except Exception as exc:  # e.g. out of memory in a baseline: report it
             row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
             log(f"  {name}: {method} backward failed: {row['errors'][method]}")
+        fn = None
         torch.cuda.empty_cache()
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    if "na3d" in row["ms"]:
+        record_speedups(row)
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d's backward (graph replay, minus the forward's)")
 
@@ -323,6 +442,78 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     return row
 
 
+def natten_backward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer, graph_of,
+                           forward_config: Optional[dict]) -> Optional[dict]:
+    """NATTEN's fastest backward configuration with ``forward_config`` (chosen here when
+    None), as ``natten.na3d`` keywords for both passes. Timed as the benchmark times
+    backwards (``graph_of``: ``autograd.grad`` of a retained graph), briefly."""
+    if forward_config is None:  # no forward row: its choice is made (and recorded) here
+        forward_config = natten_forward_choice(row, q, k, v, kernel_size, scale, timer)
+        row["natten_hopper_forward_trials"] = row.pop("natten_hopper_trials")
+        if forward_config is None:
+            return None
+    forward_config = peers.config_from_json(forward_config)
+
+    def trial(config):
+        fn = graph_of(functools.partial(peers.natten_hopper, kernel_size=kernel_size, scale=scale,
+                                        **forward_config, **config))
+        return timer(fn, min_runs=CONFIG_TRIAL_RUNS, target_ms=0, max_runs=CONFIG_TRIAL_RUNS)
+
+    best = record_choice(row, *peers.best_config(peers.natten_configs(q, backward=True), trial),
+                         base=forward_config)
+    return None if best is None else dict(forward_config, **best)
+
+
+def grad_errors(grads, ref) -> Dict[str, float]:
+    """Max abs error of (dq, dk, dv) against the reference's."""
+    return {n: float((g.float() - r).abs().max()) for n, g, r in zip(("dq", "dk", "dv"), grads, ref)}
+
+
+# Bytes the float32 reference's autograd graph may hold at a time (at most a quarter of
+# the free memory): at DiT windows one W column of queries holds ~20 GB of box copies.
+REFERENCE_GRAD_BUDGET = 16 << 30
+
+
+def reference_grads(q, k, v, do, kernel_size, scale, budget: Optional[int] = None) -> List[torch.Tensor]:
+    """float32 dq, dk, dv through autograd of the grouped-SDPA reference, W chunk by W chunk.
+
+    Each chunk of query columns (``w_offset``) runs forward and backward before the
+    next, so only its autograd graph is alive: every box of queries keeps its own
+    float32 copies of its window union of K and V. The first chunk is one column
+    wide; each next one is sized from the peak memory the previous one took
+    (:func:`next_chunk_width`) to stay near ``budget`` bytes.
+    """
+    device = q.device
+    cuda = device.type == "cuda"  # (elsewhere, memory is not measured: chunks grow 4x)
+    if budget is None:
+        budget = min(REFERENCE_GRAD_BUDGET, torch.cuda.mem_get_info(device)[0] // 4) if cuda else 0
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    W = q.shape[3]
+    w0, width = 0, 1
+    while w0 < W:
+        w1 = min(W, w0 + width)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        out = na3d_sdpa_exact(ref[0][:, :, :, w0:w1], ref[1], ref[2], kernel_size, scale=scale, w_offset=w0)
+        out.backward(do[:, :, :, w0:w1].float())
+        del out
+        used = torch.cuda.max_memory_allocated(device) - start if cuda else 0
+        width = next_chunk_width(w1 - w0, used, budget)
+        w0 = w1
+    return [t.grad for t in ref]
+
+
+def next_chunk_width(width: int, used_bytes: int, budget: int, max_growth: int = 4) -> int:
+    """Columns of the next chunk: ``width`` scaled by ``budget / used_bytes`` (a chunk's
+    graph grows about linearly with its width), at least 1 and at most ``max_growth``
+    times ``width``."""
+    if used_bytes <= 0:
+        return width * max_growth
+    return max(1, min(width * max_growth, int(width * budget / used_bytes)))
+
+
 def add_bwd_over_fwd(bwd: dict, fwd: dict) -> None:
     """Backward time over forward time per method, same run (the backward target's
     number; ``na3d_gpu`` from the CUDA-graph GPU times). A method with no forward
@@ -333,6 +524,21 @@ def add_bwd_over_fwd(bwd: dict, fwd: dict) -> None:
     if gpu_b and gpu_f:
         ratio["na3d_gpu"] = round(gpu_b / gpu_f, 3)
     bwd["bwd_over_fwd"] = ratio
+    add_fwd_plus_bwd(bwd, fwd)
+
+
+def add_fwd_plus_bwd(bwd: dict, fwd: dict) -> None:
+    """``bwd["fwd_plus_bwd"]``: forward + backward ms per method of both rows (the same
+    run), what one training step's attention costs; ``na3d_gpu`` from the CUDA-graph
+    GPU times; ``speedup_vs``: each other method's sum over na3d's."""
+    total = {m: round(fwd["ms"][m] + bwd["ms"][m], 5) for m in bwd["ms"] if m in fwd["ms"]}
+    gpu_b, gpu_f = bwd.get("gpu_ms", {}).get("na3d"), fwd.get("gpu_ms", {}).get("na3d")
+    summary = {"ms": total}
+    if gpu_b and gpu_f:
+        summary["na3d_gpu_ms"] = round(gpu_f + gpu_b, 5)
+    if total.get("na3d", 0) > 0:
+        summary["speedup_vs"] = {m: round(t / total["na3d"], 2) for m, t in total.items() if m != "na3d"}
+    bwd["fwd_plus_bwd"] = summary
 
 
 def print_table(rows: List[dict]) -> None:
@@ -351,6 +557,24 @@ def print_table(rows: List[dict]) -> None:
             f"{r.get('bwd_over_fwd', {}).get('na3d', float('nan')):>9.2f}")
 
 
+# The methods, in the order the method table and the plot show them.
+METHOD_ORDER = ("na3d", "na3d_fused") + peers.METHODS + ("flex", "sdpa_exact")
+
+
+def print_method_table(rows: List[dict]) -> None:
+    """ms of every method that ran, per row, with forward + backward lines (``fwd+bwd``)
+    where a bwd row has its forward's; ``-``: not run on that row."""
+    methods = [m for m in METHOD_ORDER if any(m in r["ms"] for r in rows)]
+    lines = []
+    for r in rows:
+        lines.append((r["name"], r["pass"], r["ms"]))
+        if "fwd_plus_bwd" in r:
+            lines.append((r["name"], "fwd+bwd", r["fwd_plus_bwd"]["ms"]))
+    log(f"{'shape':<18}{'pass':>8}" + "".join(f"{m + ' ms':>18}" for m in methods))
+    for name, pas, ms in lines:
+        log(f"{name:<18}{pas:>8}" + "".join(f"{ms[m]:>18.4f}" if m in ms else f"{'-':>18}" for m in methods))
+
+
 def plot(rows: List[dict], path: str, title: str) -> None:
     try:
         import matplotlib
@@ -359,11 +583,11 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     except ImportError:
         log("matplotlib not installed: no plot")
         return
-    methods = [m for m in ("na3d", "na3d_fused", "flex", "sdpa_exact") if any(m in r["ms"] for r in rows)]
+    methods = [m for m in METHOD_ORDER if any(m in r["ms"] for r in rows)]
     if not rows or not methods:  # e.g. a decoder-only run: nothing to draw
         log(f"no fwd/bwd rows: no plot at {path}")
         return
-    fig, ax = plt.subplots(figsize=(15, 5.5))
+    fig, ax = plt.subplots(figsize=(max(15, 1.1 * len(rows)), 5.5))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(rows))]
@@ -397,11 +621,16 @@ def cpu_demo() -> None:
         f"brute force {err:.2e}")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m na3d.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="*", help="shape names from bench_shapes.json (default: all)")
+    parser.add_argument("--group", choices=SHAPE_GROUPS, default="all",
+                        help="shapes of one regime: ltx (the LTX-2.5 decoder, head dim 64), dit (video DiT "
+                             "training, head dim 128) or all (default)")
+    parser.add_argument("--shapes", nargs="*", help="shape names from bench_shapes.json (default: the group's)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the grouped-SDPA reference")
+    parser.add_argument("--no-natten", action="store_true", help="skip NATTEN's Hopper FNA")
+    parser.add_argument("--no-comfy", action="store_true", help="skip comfy-kitchen's kernels")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--commit", default=None, help="git sha of the measured tree (default: git rev-parse)")
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -413,7 +642,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--merge", default=None, metavar="RESULTS_JSON",
                         help="start from this results file (same commit required): rows measured now replace "
                              "its rows of the same name and pass, the others are kept")
+    return parser
 
+
+def select_shapes(group: str, names: Optional[List[str]]) -> List[dict]:
+    """The group's shapes, or those of them named in ``names``; ValueError for a name
+    the group does not have."""
+    specs = bench_shapes(group)
+    if names:
+        unknown = set(names) - {s["name"] for s in specs}
+        if unknown:
+            raise ValueError(f"unknown shapes {sorted(unknown)} in group {group}; known: {[s['name'] for s in specs]}")
+        specs = [s for s in specs if s["name"] in names]
+    return specs
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -421,12 +666,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    specs = bench_shapes()
-    if args.shapes:
-        unknown = set(args.shapes) - {s["name"] for s in specs}
-        if unknown:
-            parser.error(f"unknown shapes {sorted(unknown)}; known: {[s['name'] for s in specs]}")
-        specs = [s for s in specs if s["name"] in args.shapes]
+    try:
+        specs = select_shapes(args.group, args.shapes)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.no_shapes:
         specs = []
     commit = args.commit or git_commit()
@@ -438,6 +681,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error(f"--merge {args.merge}: its rows are from commit {earlier.get('commit')}, this run is {commit}")
         kept = earlier["rows"]
     methods = ["na3d"] + ([] if args.no_reference else ["sdpa_exact"]) + ([] if args.no_flex else ["flex"])
+    peer_methods, peer_notes = peers.available_methods(
+        device, natten=not args.no_natten and bool(specs), comfy=not args.no_comfy and bool(specs))
+    for note in peer_notes:
+        log(note)
+    methods += peer_methods
     timer = Timer(device)
     # (Its own 256 MiB flush buffer: only when shape rows are timed, so that a
     # decoder-only run's peak memory holds one.)
@@ -465,6 +713,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
                   "python": platform.python_version(), "commit": commit,
                   "date": datetime.date.today().isoformat(), "ceilings": ceilings,
+                  "peers": dict(peers.versions(methods), skipped=peer_notes),
                   "rows": [r for r in kept if (r["name"], r["pass"]) not in measured] + rows}
         if not complete:
             result["incomplete"] = "the run stopped before measuring every requested row"
@@ -479,7 +728,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows.append(forward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
             torch.cuda.empty_cache()
         if args.backward:
-            rows.append(backward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
+            natten_config = None if args.no_forward else rows[-1].get("natten_hopper_config")
+            rows.append(backward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer,
+                                     natten_forward_config=natten_config))
             if not args.no_forward:
                 add_bwd_over_fwd(rows[-1], rows[-2])
             torch.cuda.empty_cache()
@@ -491,8 +742,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_row(row)
         rows.append(row)
     measured = {(r["name"], r["pass"]) for r in rows}
-    print_table([r for r in kept if (r["name"], r["pass"]) not in measured and r["pass"] in ("fwd", "bwd")]
-                + [r for r in rows if r["pass"] in ("fwd", "bwd")])
+    shown = ([r for r in kept if (r["name"], r["pass"]) not in measured and r["pass"] in ("fwd", "bwd")]
+             + [r for r in rows if r["pass"] in ("fwd", "bwd")])
+    print_table(shown)
+    print_method_table(shown)
     if args.no_write:
         return 0
     write(rows, complete=True)
@@ -502,6 +755,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plot([r for r in all_rows if r["pass"] in ("fwd", "bwd")], os.path.join(args.out_dir, f"{slug}.png"),
          f"na3d on {name} (bf16; fwd and bwd rows)")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
