@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import statistics
 import sys
@@ -192,7 +193,7 @@ def decoder_row(
     if "na3d" in ms and "noattn" in ms:
         row["attn_share"] = round((ms["na3d"] - ms["noattn"]) / ms["na3d"], 4)
         row["attn_ms"] = {m: round(t - ms["noattn"], 2) for m, t in ms.items() if m != "noattn"}
-    del model, outputs
+    model = outputs = None  # frees them (decode() refers to model)
     _release(device)
     return row
 
@@ -228,9 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("No GPU found: the decoder benchmark needs a CUDA device; nothing was measured.")
         return 0
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("diffusers") is None:
         print("The decoder benchmark needs diffusers>=0.42: pip install 'na3d[diffusers]'", file=sys.stderr)
         return 1
     row = decoder_row(torch.device("cuda"), methods=args.methods, warmup=args.warmup, repeats=args.repeats,
