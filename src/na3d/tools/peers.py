@@ -45,6 +45,8 @@ def natten_unavailable(device) -> Optional[str]:
         import natten
     except ImportError as exc:
         return f"natten is not installed ({exc})"
+    except Exception as exc:  # installed but broken here (another torch, say)
+        return f"natten does not import: {type(exc).__name__}: {exc}"[:300]
     device = torch.device(device)
     if device.type != "cuda":
         return "not a CUDA device"
@@ -86,6 +88,8 @@ def comfy_unavailable(method: str, device) -> Optional[str]:
         fn = comfy_kernel(method)
     except ImportError as exc:
         return f"comfy_kitchen is not installed ({exc})"
+    except Exception as exc:  # installed but broken here
+        return f"comfy_kitchen does not import: {type(exc).__name__}: {exc}"[:300]
     device = torch.device(device)
     if device.type != "cuda":
         return "not a CUDA device"
