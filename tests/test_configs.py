@@ -38,12 +38,13 @@ def test_bucket_alternatives_chosen_by_issued_products():
     small = configs.forward_config("sm90", (16, 80, 32), kernel, 64, torch.bfloat16)
     assert small.bucket == "large_window/whole_clip"
     assert (small.q_tile, small.kv_tile, small.maxnreg) == ((16, 2, 2), (16, 4, 2), 168)
+    bwd = configs.backward_config("sm90", (16, 80, 32), kernel, 64, torch.bfloat16)
+    assert (bwd.dq_q_tile, bwd.dq_kv_tile, bwd.dkdv_k_tile) == ((8, 4, 2), (1, 16, 4), (4, 4, 4))
+    assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg, bwd.dkdv_stages) == (128, 168, 3)
+    # Head dims above 64 have buckets of their own (the video-DiT regime).
     wide = configs.forward_config("sm90", (16, 80, 32), kernel, 128, torch.bfloat16)
-    assert (wide.bucket, wide.q_tile, wide.kv_tile, wide.maxnreg) == ("large_window/deep_boxes", (8, 4, 2), (1, 16, 4), None)
-    for head_dim in (64, 128):
-        bwd = configs.backward_config("sm90", (16, 80, 32), kernel, head_dim, torch.bfloat16)
-        assert (bwd.dq_q_tile, bwd.dq_kv_tile, bwd.dkdv_k_tile) == ((8, 4, 2), (1, 16, 4), (4, 4, 4))
-        assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg, bwd.dkdv_stages) == (128, 168, 3)
+    assert wide.bucket == "dit_large_window" and wide.maxnreg is None
+    assert configs.backward_config("sm90", (16, 80, 32), kernel, 128, torch.bfloat16).bucket == "dit_large_window"
     assert configs.forward_config("sm90", (14, 64, 64), kernel, 64, torch.bfloat16).bucket == "large_window/deep_boxes"
     for shape in ((79, 192, 192), (66, 128, 192), (79, 128, 192), (24, 80, 32), (12, 64, 64)):
         cfg = configs.forward_config("sm90", shape, kernel, 64, torch.bfloat16)

@@ -83,3 +83,38 @@ def test_backward_tuning_picks_dq_then_dkdv(monkeypatch):
         assert chosen["measured"][s["name"]] == {"ms": 0.25, "best_ms": 0.25, "before_ms": 1.0,
                                                  "timing": "eager, L2 flushed"}
     assert set(results) == {s["name"] + step for s in members for step in ("/dq", "/dkdv")}
+
+
+def test_tile_pairs_from_the_command_line():
+    assert tune.tile_pair("2x8x4/2x4x4") == ((2, 8, 4), (2, 4, 4))
+    for bad in ("2x8x3/2x4x4", "2x8x4", "2x8/2x4x4", "a/b"):
+        try:
+            tune.tile_pair(bad)
+        except argparse.ArgumentTypeError as exc:
+            assert bad in str(exc)
+        else:
+            raise AssertionError(bad)
+
+
+def test_backward_tuning_with_given_pairs_launches_and_the_fused_pass(monkeypatch):
+    """--pairs and --dkdv-pairs replace the geometry's candidates, --dkdv-launch the
+    dK/dV kernel's settings, and --fused adds each dK/dV candidate as the one-pass
+    backward; a fused winner is recorded as such."""
+    entry, members = bucket_and_members((3, 5, 5))
+    calls = []
+
+    def measure_backward(spec, candidates, current, timer, device, budget, fit, fit_spec):
+        calls.append(candidates)
+        return {tune.backward_key(c): 0.5 if c.fused and c.dkdv_warps == 8 else 1.0 for c in candidates}
+
+    monkeypatch.setattr(tune, "measure_backward", measure_backward)
+    args = argparse.Namespace(bwd_launch=["4,2"], dkdv_launch=["4,1", "8,1"], top=2, fused=True,
+                              pairs=[((2, 8, 4), (2, 4, 4))], dkdv_pairs=[((4, 4, 8), (8, 4, 1))])
+    tune.tune_backward(entry, members, "sm90", args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
+    dq_step, dkdv_step = calls[0], calls[-1]
+    assert {(c.dq_q_tile, c.dq_kv_tile, c.num_warps, c.num_stages) for c in dq_step[1:]} == {
+        ((2, 8, 4), (2, 4, 4), 4, 2)}
+    assert {(c.dkdv_k_tile, c.dkdv_q_tile, c.dkdv_warps, c.dkdv_stages, c.fused) for c in dkdv_step[1:]} == {
+        ((4, 4, 8), (8, 4, 1), w, 1, f) for w in (4, 8) for f in (False, True)}
+    chosen = entry["backward"]
+    assert chosen["fused"] is True and chosen["dkdv_num_warps"] == 8 and chosen["dkdv"] == [[4, 4, 8], [8, 4, 1]]

@@ -5,6 +5,8 @@
     python -m na3d.tools.tune --backward --write    # also the backward kernels' tiles
     python -m na3d.tools.tune --budget-s 60         # at most ~60 s of candidates per bucket and pass
     python -m na3d.tools.tune --buckets medium_window --backward --graph-timing   # GPU time only
+    python -m na3d.tools.tune --shapes dit-hunyuan --backward --pairs 2x8x4/2x4x4 --dkdv-pairs 4x4x4/2x4x4
+                                                    # given candidates (see benchmarks/tune_dit.sh)
 
 Candidates per shape are the tile pairs that issue the fewest QK^T products
 (``geometry.issued_flops_ratio``), each with a few warp/stage settings. Every
@@ -86,6 +88,17 @@ def tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     return list(dict.fromkeys(picked))
 
 
+def tile_pair(text: str) -> Tuple[tuple, tuple]:
+    """``"2x8x4/2x4x4"`` -> ``((2, 8, 4), (2, 4, 4))`` (command-line tile pairs)."""
+    try:
+        boxes = tuple(tuple(int(x) for x in box.split("x")) for box in text.split("/"))
+    except ValueError:
+        boxes = ()
+    if len(boxes) != 2 or any(len(b) != 3 or any(x < 1 or x & (x - 1) for x in b) for b in boxes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected two boxes of three powers of two, like 2x8x4/2x4x4")
+    return boxes
+
+
 class Budget:
     """Wall-clock budget for trying candidates; the current table's config is always tried."""
 
@@ -108,6 +121,7 @@ def _inputs(spec: dict, device):
     shape = tuple(spec["shape"])
     gen = torch.Generator(device=device).manual_seed(0)
     return [torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=device) for _ in range(4)]
+
 
 
 def measure(spec: dict, candidates: List[configs.ForwardConfig], timer: Timer, device,
@@ -170,7 +184,7 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
         key = backward_key(cfg)
         if fit is not None:
             cfg = fit((cfg.dq_q_tile, cfg.dq_kv_tile, cfg.num_warps, cfg.num_stages),
-                      (cfg.dkdv_k_tile, cfg.dkdv_q_tile, cfg.dkdv_warps, cfg.dkdv_stages), fit_spec)
+                      (cfg.dkdv_k_tile, cfg.dkdv_q_tile, cfg.dkdv_warps, cfg.dkdv_stages, cfg.fused), fit_spec)
         t0 = time.perf_counter()
         try:
             errs = errors(cfg)
@@ -206,7 +220,8 @@ def backward_key(cfg: configs.BackwardConfig) -> str:
                        "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages, "tma": cfg.tma,
                        **{name: getattr(cfg, name) for name in ("dq_maxnreg", "dkdv_maxnreg")
                           if getattr(cfg, name) is not None},
-                       **({} if cfg.fixed_mask else {"fixed_mask": False})})
+                       **({} if cfg.fixed_mask else {"fixed_mask": False}),
+                       **({"fused": True} if cfg.fused else {})})
 
 
 def choose(results: Dict[str, Dict[str, float]], names: List[str]) -> Tuple[str, float, Dict[str, float]]:
@@ -226,9 +241,10 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     # Every member is measured with every candidate of the bucket, so the choice
     # compares like with like. The table's current config goes first.
     current = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]))
-    tiles = set()
-    for s in members:
-        tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
+    tiles = set(getattr(args, "pairs", None) or ())
+    if not tiles:
+        for s in members:
+            tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
     tiles.discard(current)
     # Each with key/value boxes loaded through tensor descriptors and through pointers.
     # Register caps: those of --maxnreg (0: none), else the table's own.
@@ -239,9 +255,11 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     caps = [c or None for c in args.maxnreg] if args.maxnreg else [entry.get("maxnreg")]
     candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", flag, cap,
                                         fixed_flag)
-                  for flag in (tma, not tma) for cap in caps for fixed_flag in (fixed, not fixed)]
+                  for flag in ((tma,) if getattr(args, "tma_only", False) else (tma, not tma)) for cap in caps
+                  for fixed_flag in (fixed, not fixed)]
+    loads = (True,) if getattr(args, "tma_only", False) else (True, False)
     candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap)
-                   for qt, kt in sorted(tiles) for w, st in launches for flag in (True, False) for cap in caps
+                   for qt, kt in sorted(tiles) for w, st in launches for flag in loads for cap in caps
                    if launch_fits(math.prod(qt), w)]
     log(f"bucket {entry['bucket']} forward: {len(candidates)} candidates on {[s['name'] for s in members]}")
     results = {}
@@ -271,6 +289,8 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     """Two steps on the bucket's shapes: dQ tiles (dK/dV fixed), then dK/dV tiles."""
     names = [s["name"] for s in members]
     launches = [tuple(int(x) for x in s.split(",")) for s in args.bwd_launch]
+    dkdv_launches = [tuple(int(x) for x in s.split(",")) for s in (getattr(args, "dkdv_launch", None)
+                                                                   or args.bwd_launch)]
 
     def current_for(spec):
         shape = tuple(spec["shape"])
@@ -282,7 +302,8 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     pairs = set()
     for s in members:
         pairs.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
-    pairs = sorted(pairs)
+    dq_pairs = sorted(getattr(args, "pairs", None) or pairs)
+    dkdv_pairs = sorted(getattr(args, "dkdv_pairs", None) or pairs)
     # The table's current backward, as it states it (unfitted; each shape fits it).
     bwd = entry.get("backward")
     if bwd is None:  # derived from the forward's tiles (configs.backward_config)
@@ -301,20 +322,23 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
         caps["fixed_mask"] = False
 
     def as_config(dq, dkdv, spec=None):
-        """A candidate as a config: as the table will state it, or fitted to ``spec``'s shape."""
+        """A candidate as a config: as the table will state it, or fitted to ``spec``'s shape.
+        ``dkdv``: (key box, query box, warps, stages[, fused])."""
+        fused = len(dkdv) > 4 and bool(dkdv[4])
         entry_form = {"dq": [list(dq[0]), list(dq[1])], "dkdv": [list(dkdv[0]), list(dkdv[1])],
                       "num_warps": dq[2], "num_stages": dq[3], "dkdv_num_warps": dkdv[2], "dkdv_num_stages": dkdv[3],
-                      **caps}
+                      **caps, **({"fused": True} if fused else {})}
         if spec is None:
             return configs.BackwardConfig(dq[0], dq[1], dkdv[0], dkdv[1], dq[2], dq[3], "candidate", dkdv[2], dkdv[3],
-                                          **caps)
+                                          fused, **caps)
         return configs.fit_backward(entry_form, tuple(spec["shape"][1:4]), tuple(spec["kernel_size"]), "candidate")
 
-    def step(kernel: str, now, make_config):
+    def step(kernel: str, now, make_config, pairs, launches, fused=(False,)):
         """Measure ``now`` and every other candidate of one kernel's (tiles, warps, stages)
-        on each shape of the bucket, as configs ``make_config(candidate)``; pick one."""
-        options = [now] + [(a, b, w, st) for a, b in pairs for w, st in launches
-                           if launch_fits(math.prod(a), w) and (a, b, w, st) != now]
+        on each shape of the bucket, as configs ``make_config(candidate)``; pick one.
+        ``fused=(False, True)``: dK/dV candidates also as the one-pass backward."""
+        options = [now] + [(a, b, w, st) + ((True,) if f else ()) for a, b in pairs for w, st in launches
+                           for f in fused if launch_fits(math.prod(a), w) and ((a, b, w, st) != now or f)]
         log(f"bucket {entry['bucket']} backward {kernel}: {len(options)} candidates on {names}")
         times = {}
         for s in members:
@@ -323,11 +347,13 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
             torch.cuda.empty_cache()
         return times, *choose(times, names)
 
-    step1, choice, slow, _ = step("dQ", dq_now, lambda dq: as_config(dq, dkdv_now))
+    step1, choice, slow, _ = step("dQ", dq_now, lambda dq: as_config(dq, dkdv_now), dq_pairs, launches)
     picked = json.loads(choice)
     dq_best = (tuple(picked["dq"][0]), tuple(picked["dq"][1]), picked["num_warps"], picked["num_stages"])
     log(f"bucket {entry['bucket']} backward dQ: {choice} (geomean slowdown {slow:.3f})")
-    step2, choice, slow, best = step("dK/dV", dkdv_now, lambda dkdv: as_config(dq_best, dkdv))
+    step2, choice, slow, best = step("dK/dV", dkdv_now, lambda dkdv: as_config(dq_best, dkdv), dkdv_pairs,
+                                      dkdv_launches,
+                                      (False, True) if getattr(args, "fused", False) else (False,))
     picked = json.loads(choice)
     before = backward_key(as_config(dq_now, dkdv_now))
     entry["backward"] = dict(picked, measured={
@@ -353,6 +379,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--bwd-launch", nargs="*", default=["4,1", "4,2", "4,3", "8,1"],
                         help="the same for the backward kernels (the dK/dV kernel's rows are its key box; "
                              "the sm90 table's dK/dV runs 3 stages)")
+    parser.add_argument("--pairs", nargs="*", type=tile_pair, default=None, metavar="QxQxQ/KxKxK",
+                        help="try these (query box, key box) pairs instead of the geometry's best (forward, dQ)")
+    parser.add_argument("--dkdv-pairs", nargs="*", type=tile_pair, default=None, metavar="KxKxK/QxQxQ",
+                        help="try these (key box, query box) pairs for dK/dV instead of the geometry's best")
+    parser.add_argument("--fused", action="store_true",
+                        help="also try each dK/dV candidate as the one-pass backward (dQ by atomic adds; not "
+                             "deterministic, and overridden by torch.use_deterministic_algorithms)")
+    parser.add_argument("--tma-only", action="store_true",
+                        help="new forward candidates load through tensor descriptors only (not also through "
+                             "pointers)")
+    parser.add_argument("--dkdv-launch", nargs="*", default=None,
+                        help="num_warps,num_stages settings for the dK/dV kernel alone (default: --bwd-launch's)")
     parser.add_argument("--maxnreg", nargs="*", type=int, default=None,
                         help="forward register caps to try with every candidate (0: none); default: the table's")
     parser.add_argument("--no-forward", action="store_true", help="keep the forward tiles as they are")
@@ -371,7 +409,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     device = torch.device("cuda")
     arch = configs.device_arch(torch.cuda.current_device())
-    specs = [s for s in bench_shapes() if not args.shapes or s["name"] in args.shapes]
+    # Default: the LTX shapes; --shapes may name any, the video-DiT ones included.
+    specs = [s for s in bench_shapes("all") if (s["name"] in args.shapes if args.shapes else s in bench_shapes())]
     table = configs.load_table(arch)
     buckets = [dict(entry) for entry in table["forward"]]
     path = os.path.join(os.path.dirname(configs.__file__), "configs", f"{arch}.json")

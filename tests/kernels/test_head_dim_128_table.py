@@ -1,0 +1,72 @@
+"""The sm90 table's head-dim-128 buckets (the video-DiT regime), run as the table
+states them, against the float64 oracle.
+
+Their backward runs without register caps and with one dK/dV pipeline stage
+(``benchmarks/NOTES.md`` v20). Each configuration a bucket
+states (its main one and its alternatives: the forward, the two-kernel backward and
+the one-pass backward) runs here on a grid its boxes cut at every
+border, with the windows shifted inward there. Interpreter on a machine without a
+GPU (fp16), compiled on a GPU (bf16 and fp16).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from na3d import configs, launch
+from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.kernels_interpreted(),
+    reason="no GPU and the Triton interpreter is not active")
+
+# (grid, kernel) per bucket: the grid a little larger than the kernel (every query's
+# window shifted at some border). The kernel (4x11x11, 484 keys) is below the
+# bucket's range of 1000+, to keep the interpreter's run short; the tiles and code
+# paths are the same (test_backward.py's DiT test runs a kernel of 1152 keys on the
+# GPU).
+CASES = {"dit_large_window": ((5, 12, 13), (4, 11, 11))}
+
+
+def head_dim_128_options():
+    """(bucket name, option name, option) of every head-dim-128 bucket in the sm90 table."""
+    found = []
+    for entry in configs.load_table("sm90")["forward"]:
+        when = entry.get("when", {})
+        if when.get("head_dim_min", 0) > 64 and when.get("head_dim_max") == 128:
+            found += [(entry["bucket"], name, option) for name, option in configs.bucket_options(entry)]
+    return found
+
+
+OPTIONS = head_dim_128_options()
+DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float16]
+
+
+def test_table_has_head_dim_128_buckets():
+    assert {bucket for bucket, _, _ in OPTIONS} == set(CASES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bucket,name,option", OPTIONS, ids=[f"{b}-{n}" for b, n, _ in OPTIONS])
+def test_head_dim_128_configs_match_oracle(bucket, name, option, dtype):
+    grid, kernel = CASES[bucket]
+    shape = (1, *grid, 1, 128)
+    scale = 128 ** -0.5
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=3)
+    grad_out = make_qkv(shape, dtype, device=DEVICE, seed=4)[0]
+    fwd = configs.ForwardConfig(tuple(option["q_tile"]), tuple(option["kv_tile"]), option["num_warps"],
+                                option["num_stages"], name, option.get("tma", True), option.get("maxnreg"),
+                                bool(option.get("fixed_mask", True)))
+    out = torch.full_like(q, float("nan"))
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, out=out, need_lse=True, config=fwd)
+    assert_matches_oracle(out, q, k, v, kernel, scale)
+    bwd = configs.fit_backward(option["backward"], grid, kernel, name)
+    # The table's tiles as stated: the grid is large enough that fitting keeps them.
+    assert (bwd.dq_q_tile, bwd.dq_kv_tile) == tuple(map(tuple, option["backward"]["dq"]))
+    assert (bwd.dkdv_k_tile, bwd.dkdv_q_tile) == tuple(map(tuple, option["backward"]["dkdv"]))
+    for variant in {bwd, dataclasses.replace(bwd, fused=not bwd.fused)}:
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=variant)
+        assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, scale)
