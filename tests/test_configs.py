@@ -41,10 +41,15 @@ def test_bucket_alternatives_chosen_by_issued_products():
     bwd = configs.backward_config("sm90", (16, 80, 32), kernel, 64, torch.bfloat16)
     assert (bwd.dq_q_tile, bwd.dq_kv_tile, bwd.dkdv_k_tile) == ((8, 4, 2), (1, 16, 4), (4, 4, 4))
     assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg, bwd.dkdv_stages) == (128, 168, 3)
-    # Head dims above 64 have buckets of their own (the video-DiT regime).
+    # Head dims above 64 have a bucket of their own (the video-DiT regime), with the
+    # deep boxes too, and a backward without register caps, dK/dV in one stage.
     wide = configs.forward_config("sm90", (16, 80, 32), kernel, 128, torch.bfloat16)
-    assert wide.bucket == "dit_large_window" and wide.maxnreg is None
-    assert configs.backward_config("sm90", (16, 80, 32), kernel, 128, torch.bfloat16).bucket == "dit_large_window"
+    assert (wide.bucket, wide.q_tile, wide.kv_tile, wide.maxnreg) == ("dit_large_window/deep_boxes", (8, 4, 2),
+                                                                       (1, 16, 4), None)
+    bwd = configs.backward_config("sm90", (16, 80, 32), kernel, 128, torch.bfloat16)
+    assert (bwd.bucket, bwd.dq_maxnreg, bwd.dkdv_maxnreg, bwd.dkdv_stages) == ("dit_large_window/deep_boxes", None,
+                                                                                None, 1)
+    assert configs.forward_config("sm90", (30, 48, 80), (18, 24, 24), 128, torch.bfloat16).bucket == "dit_large_window"
     assert configs.forward_config("sm90", (14, 64, 64), kernel, 64, torch.bfloat16).bucket == "large_window/deep_boxes"
     for shape in ((79, 192, 192), (66, 128, 192), (79, 128, 192), (24, 80, 32), (12, 64, 64)):
         cfg = configs.forward_config("sm90", shape, kernel, 64, torch.bfloat16)
