@@ -1,6 +1,7 @@
 """Do two revisions compile the kernels to the same sm90 instructions?
 
     python benchmarks/compare_ptx.py OLD_REV [NEW_REV]   # NEW_REV default: the working tree
+    python benchmarks/compare_ptx.py OLD_REV --tma       # boxes through tensor descriptors, and the fused dK/dV
 
 Compiles the forward, dQ and dK/dV kernels for sm90 (no GPU needed) with every
 configuration of the sm90 table, non-causal, stride 1, deterministic backward, at
@@ -20,6 +21,7 @@ DUMP = r'''
 import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 root = sys.argv[1]
+tma_run = len(sys.argv) > 2 and sys.argv[2] == "tma"
 sys.path[:0] = [root + "/src", root + "/tests/kernels", root + "/tests"]  # (tests/kernels: this layout)
 import test_compile_targets as t
 from triton.backends.compiler import GPUTarget
@@ -30,6 +32,8 @@ flags = {f: False for f in ("CAUSAL_T", "CAUSAL_H", "CAUSAL_W", "STRIDED") if f 
 plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kernel.arg_names}
 # The first launch with its check for inf/NaN (revisions that have the flags).
 flags.update({f: v for f, v in (("CHECK", True), ("REDO", False)) if f in na3d_fwd_kernel.arg_names})
+# Multi-head attention (revisions with grouped-query attention in the kernels).
+flags.update({"GROUP": 1} if "GROUP" in na3d_fwd_kernel.arg_names else {})
 tgt = GPUTarget("cuda", 90, 32)
 res = {}
 for entry in t.configs_for("sm90"):
@@ -37,10 +41,10 @@ for entry in t.configs_for("sm90"):
     base = dict(HEAD_DIM=hd, BLOCK_D=hd, **flags)
     tiles = dict(Q_T=qt[0], Q_H=qt[1], Q_W=qt[2], KV_T=kt[0], KV_H=kt[1], KV_W=kt[2])
     dual = dict(K_T=qt[0], K_H=qt[1], K_W=qt[2], Q_T=kt[0], Q_H=kt[1], Q_W=kt[2])
-    extra = {f: v for f, v in (("SCALE_SIGN", 1), ("USE_TMA", False)) if f in na3d_fwd_kernel.arg_names}
+    extra = {f: v for f, v in (("SCALE_SIGN", 1), ("USE_TMA", tma_run)) if f in na3d_fwd_kernel.arg_names}
     res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra,
                                                                     **plain_mask), w, st).asm["ptx"]
-    tma = {"USE_TMA": False} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
+    tma = {"USE_TMA": tma_run} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
     dq_plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_bwd_dq_kernel.arg_names}
     res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma,
                                                                       **dq_plain_mask), w, max(1, st - 1)).asm["ptx"]
@@ -52,6 +56,9 @@ for entry in t.configs_for("sm90"):
     if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:  # a flag of revisions c07cec7..b2e21eb
         dual["STATS_TMA"] = False
     res[bucket + "/dkdv"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)).asm["ptx"]
+    if tma_run and "BULK_DQ" in dual:  # the one-pass backward, dQ by bulk reductions
+        res[bucket + "/fused"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dict(dual, ACCUMULATE_DQ=True,
+                                               BULK_DQ=True)), w, max(1, st - 1)).asm["ptx"]
 print(json.dumps(res))
 '''
 
@@ -73,19 +80,22 @@ def instructions(ptx: str):
     return [re.sub(r"%[a-z]+\d+", rename, re.sub(r"_param_\d+", "_param_N", line)) for line in keep]
 
 
-def dump(root: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", DUMP, root], capture_output=True, text=True, check=True)
+def dump(root: str, tma: bool) -> dict:
+    out = subprocess.run([sys.executable, "-c", DUMP, root] + (["tma"] if tma else []), capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    if len(sys.argv) < 2:
+    tma = "--tma" in sys.argv
+    revs = [a for a in sys.argv[1:] if a != "--tma"]
+    if not revs:
         print(__doc__)
         return 2
     repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
     roots, trees = [], []
-    for rev in sys.argv[1:3]:
+    for rev in revs[:2]:
         tree = tempfile.mkdtemp(prefix="na3d-rev-")
         subprocess.run(["git", "worktree", "add", "-q", "--detach", tree, rev], cwd=repo, check=True)
         roots.append(tree)
@@ -93,7 +103,7 @@ def main() -> int:
     if len(roots) == 1:
         roots.append(repo)
     try:
-        old, new = dump(roots[0]), dump(roots[1])
+        old, new = dump(roots[0], tma), dump(roots[1], tma)
     finally:
         for tree in trees:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=repo)

@@ -68,7 +68,7 @@ def rows_for(name, shape, kernel_size):
     fwd = configs.forward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     bwd = configs.backward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     base = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), CAUSAL_T=False, CAUSAL_H=False,
-                CAUSAL_W=False, STRIDED=False, CHECK=True, REDO=False, USE_TMA=fwd.tma and HD in (16, 32, 64, 128))
+                CAUSAL_W=False, STRIDED=False, CHECK=True, REDO=False, GROUP=1, USE_TMA=fwd.tma and HD in (16, 32, 64, 128))
     causal, stride = (False,) * 3, (1, 1, 1)
     passes = [
         ("fwd", na3d_fwd_kernel, fwd.q_tile, fwd.kv_tile, fwd.num_warps, fwd.num_stages, fwd.maxnreg,

@@ -23,7 +23,7 @@ import torch
 
 from .merge import merge_attentions
 # The path a validated call takes (kernels, their operator, or the reference) is
-# chosen in ops; the composition below (dilation groups, key/value heads) calls it.
+# chosen in ops; the composition below (dilation groups) calls it.
 from .ops import dispatch as _run
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -304,13 +304,12 @@ def _dilated(q, k, v, kernel_size, dilation, causal, stride, scale: float, retur
     axis stays causal inside each group, and strides count group positions (NATTEN's
     definitions)."""
     if dilation == (1, 1, 1):
-        return _grouped_heads(q, k, v, kernel_size, causal, stride, scale, return_lse, check)
+        return _run(q, k, v, kernel_size, causal, stride, scale, return_lse, check)
     dt, dh, dw = dilation
     pieces = []
     for gt, gh, gw in itertools.product(range(dt), range(dh), range(dw)):
         view = (slice(None), slice(gt, None, dt), slice(gh, None, dh), slice(gw, None, dw))
-        pieces.append(_grouped_heads(q[view], k[view], v[view], kernel_size, causal, stride, scale, return_lse,
-                                     check))
+        pieces.append(_run(q[view], k[view], v[view], kernel_size, causal, stride, scale, return_lse, check))
     if return_lse:
         return (_interleave([p[0] for p in pieces], dilation, q.shape[1:4]),
                 _interleave([p[1] for p in pieces], dilation, q.shape[1:4]))
@@ -337,23 +336,6 @@ def _interleave(pieces, dilation, spatial):
     order = [3, 4, 0, 5, 1, 6, 2] + list(range(7, 7 + len(rest)))
     merged = stacked.permute(order).reshape(padded[0].shape[0], full[0] * dt, full[1] * dh, full[2] * dw, *rest)
     return merged[:, :spatial[0], :spatial[1], :spatial[2]]
-
-
-def _grouped_heads(q, k, v, kernel_size, causal, stride, scale: float, return_lse: bool, check: bool):
-    """Grouped-query attention by composition: the query heads of each key/value head
-    see it through a zero-stride view (``expand``: nothing is copied)."""
-    heads, kv_heads = q.shape[4], k.shape[4]
-    if heads == kv_heads:
-        return _run(q, k, v, kernel_size, causal, stride, scale, return_lse, check)
-    group = heads // kv_heads
-    shape = list(k.shape)
-    shape[4] = group
-    parts = [_run(q[..., j * group:(j + 1) * group, :], k[..., j:j + 1, :].expand(shape),
-                  v[..., j:j + 1, :].expand(shape), kernel_size, causal, stride, scale, return_lse, check)
-             for j in range(kv_heads)]
-    if return_lse:
-        return torch.cat([p[0] for p in parts], 4), torch.cat([p[1] for p in parts], 4)
-    return torch.cat(parts, 4)
 
 
 def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTuple,

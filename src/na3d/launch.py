@@ -77,6 +77,7 @@ def na3d_forward(
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
+    group = NH // k.shape[4]  # query heads per key/value head
     cfg = config or forward_config(q, kernel_size)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -100,8 +101,9 @@ def na3d_forward(
         STORE_LSE=need_lse,
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
+        GROUP=group,
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)))
-    na3d_fwd_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
+    na3d_fwd_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                       **configs.maxnreg_option(cfg.maxnreg))
     if check_nonfinite:
@@ -234,6 +236,7 @@ def na3d_backward(
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
+    group = NH // k.shape[4]  # query heads per key/value head
     cfg = config or backward_config(q, kernel_size)
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -248,7 +251,7 @@ def na3d_backward(
     grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
                   CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
-                  STRIDED=any(s != 1 for s in stride))
+                  STRIDED=any(s != 1 for s in stride), GROUP=group)
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
         _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg,
@@ -270,7 +273,7 @@ def na3d_backward(
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
                      (T, H, W)), **common)
-    na3d_bwd_dq_kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
+    na3d_bwd_dq_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
                                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                          **configs.maxnreg_option(cfg.dq_maxnreg))
     if check_nonfinite:
@@ -291,16 +294,18 @@ def na3d_backward(
 def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
                 sizes, scale: float, constexprs: dict, check_nonfinite: bool) -> None:
     """The dK/dV kernel on its grid, then its second launch (kernels/common.py).
-    ``buffers``: the tensors and descriptors before the flags; ``strided``: the
+    ``NH``: query heads; the grid runs over key/value heads, ``NH // GROUP``
+    (``constexprs``). ``buffers``: the tensors and descriptors before the flags; ``strided``: the
     tensors whose strides follow (q, k, v, dO, dK, dV); ``sizes``: the grid and
     window sizes (T, H, W, KT, KH, KW, ST, SH, SW)."""
     n_tiles = tiles[0] * tiles[1] * tiles[2]
-    flags = nonfinite_flags(n_tiles * NH * B, strided[0].device)
+    kv_heads = NH // constexprs["GROUP"]
+    flags = nonfinite_flags(n_tiles * kv_heads * B, strided[0].device)
     args = (*buffers, flags, *(st for x in strided for st in x.stride()[:5]), *sizes, tiles[1], tiles[2], n_tiles,
             NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
-    kernel[(n_tiles, NH, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False, num_warps=cfg.dkdv_warps,
+    kernel[(n_tiles, kv_heads, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False, num_warps=cfg.dkdv_warps,
                              num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg))
     if check_nonfinite:
         kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.dkdv_warps, num_stages=1)

@@ -144,9 +144,10 @@ class EagerAttention(torch.autograd.Function):
 def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[int], causal: Sequence[bool],
              stride: Sequence[int], scale: float, return_lse: bool,
              check_nonfinite: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Attention on validated ``(B, T, H, W, NH, HD)`` inputs with equal head counts and
-    dilation 1, by the path that suits the call: ``out``, or ``(out, lse)`` with
-    ``return_lse``.
+    """Attention on validated ``(B, T, H, W, NH, HD)`` queries and ``(B, T, H, W, NKV,
+    HD)`` keys and values (``NKV`` divides ``NH``: query head ``n`` reads key/value
+    head ``n // (NH // NKV)``) with dilation 1, by the path that suits the call:
+    ``out``, or ``(out, lse)`` with ``return_lse``.
 
     CUDA tensors, and CPU tensors when the kernels run in the Triton interpreter, run
     the Triton kernels: an eager call without a gradient through the launcher, an
@@ -175,5 +176,8 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
         out, lse = forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
                            list(causal), list(stride), check_nonfinite)
         return (out, lse) if return_lse else out
+    if key.shape[4] != query.shape[4]:  # the reference takes one key/value head per query head
+        shape = (*key.shape[:4], key.shape[4], query.shape[4] // key.shape[4], key.shape[5])
+        key, value = (x.unsqueeze(5).expand(shape).flatten(4, 5) for x in (key, value))
     return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
                                      is_causal=causal, stride=stride)

@@ -141,8 +141,9 @@ def compile_all(arch, first_only=False):
             k.endswith("maxnreg") for k in (bwd or {})), f"{arch} {bucket}: register caps on a non-NVIDIA table"
         dq_cap = dkdv_cap = None
         causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
+        # Every third configuration with two query heads per key/value head (GQA).
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
-                    STRIDED=i % 2 == 1)
+                    STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1)
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
             # The plain per-step mask and a cycling choice of modes, alternately (every

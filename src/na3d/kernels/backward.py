@@ -68,11 +68,13 @@ def na3d_bwd_dq_kernel(
     HAS_DLSE: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    GROUP: tl.constexpr,
     CHECK: tl.constexpr,
     REDO: tl.constexpr,
 ):
-    """Grid: (query tiles, heads, batch). One program: dQ of a Q_T x Q_H x Q_W box of
-    queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
+    """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
+    (``GROUP``: query heads per key/value head). One program: dQ of a Q_T x Q_H x Q_W
+    box of queries, scanning the union of their windows in KV_T x KV_H x KV_W key boxes.
     It also writes ``STATS`` (see the module docstring) for the dK/dV kernel that
     runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
@@ -93,19 +95,19 @@ def na3d_bwd_dq_kernel(
                             stride_on, stride_dob, stride_dot, stride_doh, stride_dow, stride_don, stride_dqb,
                             stride_dqt, stride_dqh, stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h,
                             tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W,
-                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, True,
-                            False)
+                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP,
+                            True, False)
     else:
-        head = tl.program_id(1)
+        head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
         batch = tl.program_id(2)
-        tile = tl.program_id(0)
+        tile = tl.program_id(0) // GROUP
         nonfinite = dq_tile(tile, head, batch, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb,
             stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
             stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow,
             stride_on, stride_dob, stride_dot, stride_doh, stride_dow, stride_don, stride_dqb, stride_dqt, stride_dqh,
-            stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale,
-            scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
-            HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, False, CHECK)
+            stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1) * GROUP,
+            qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W,
+            STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP, False, CHECK)
         if CHECK:
             tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
@@ -126,9 +128,11 @@ def dq_tile(
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr, SAFE: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
-    """One dQ program's work (and its statistics, unless ``SAFE``). Returns whether
+    """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
+    head (its keys and values: head ``head // GROUP``). Returns whether
     its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
     reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
     the marks are laid over it (``kernels.common``)."""
@@ -161,8 +165,9 @@ def dq_tile(
         tl.store(stats, lse2, mask=q_valid)
         tl.store(stats + 1, delta, mask=q_valid)
 
-    k_base = K + bh * stride_kb + hd * stride_kn
-    v_base = V + bh * stride_vb + hd * stride_vn
+    kv_head = head // GROUP
+    k_base = K + bh * stride_kb + kv_head.to(tl.int64) * stride_kn
+    v_base = V + bh * stride_vb + kv_head.to(tl.int64) * stride_vn
     if SAFE:
         dq_rows = bh * stride_dqb + hd * stride_dqn + pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw
         mark_reached_by_keys(DQ, dq_rows, q_valid, k_base, stride_kt, stride_kh, stride_kw, qt, qh, qw, T, H, W,
@@ -170,7 +175,7 @@ def dq_tile(
                              KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
         tl.debug_barrier()  # the marks were stored by other threads of the program
     dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
-                 stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                 stride_vt, stride_vh, stride_vw, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
                  ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
                  CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
     if SAFE:
@@ -189,7 +194,7 @@ def dq_tile(
 
 @triton.jit
 def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
-            stride_vt, stride_vh, stride_vw, batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+            stride_vt, stride_vh, stride_vw, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
             ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
             KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
@@ -237,8 +242,8 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
         kh = c_h + off_h
         kw = c_w + off_w
         if USE_TMA and not SAFE:
-            k = K_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
-            v = V_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+            k = K_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+            v = V_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
             # Keys past the union repeat its last position and are masked (as forward).
             pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
@@ -295,12 +300,16 @@ def na3d_bwd_dkdv_kernel(
     ACCUMULATE_DQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     BULK_DQ: tl.constexpr,
+    GROUP: tl.constexpr,
     CHECK: tl.constexpr,
     REDO: tl.constexpr,
 ):
-    """Grid: (key tiles, heads, batch). One program: dK and dV of a K_T x K_H x K_W box
-    of keys, scanning the queries that see any of them (one box of queries, see
-    ``queries_seeing``) in Q_T x Q_H x Q_W boxes.
+    """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
+    K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
+    of queries, see ``queries_seeing``) in Q_T x Q_H x Q_W boxes, of each of the
+    ``GROUP`` query heads that read its key/value head in turn (grouped-query
+    attention: the group's sum, in a fixed order, without atomics). ``heads``
+    counts query heads.
 
     With ``ACCUMULATE_DQ`` (the fused backward) each step also adds its ``dS^T K``
     (unscaled) atomically into ``DQ_ACC``: float32, contiguous
@@ -328,21 +337,22 @@ def na3d_bwd_dkdv_kernel(
             if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
                 for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
                     if tl.load(FLAGS + program) != 0:
-                        dkdv_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads), Q, K,
+                        dkdv_tile(program % n_tiles, (program // n_tiles) % (heads // GROUP),
+                            program // (n_tiles * (heads // GROUP)), Q, K,
                             V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, stride_qb, stride_qt,
                             stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
                             stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh,
                             stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
                             stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH,
                             SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H,
-                            Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, False, False, True, False)
+                            Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, False, False, GROUP, True, False)
     else:
         head = tl.program_id(1)
         batch = tl.program_id(2)
         tile = tl.program_id(0)
         # The flag: 0 first, then 1 from the threads holding non-finite rows (see
         # dkdv_tile), after a barrier so that no 0 lands after a 1.
-        flag = FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64))
+        flag = FLAGS + tile + n_tiles * (head + heads // GROUP * batch.to(tl.int64))
         if CHECK:
             tl.store(flag, tl.zeros([], tl.int8))
         nonfinite_rows = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
@@ -350,8 +360,8 @@ def na3d_bwd_dkdv_kernel(
             stride_kw, stride_kn, stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot,
             stride_doh, stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
             stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h,
-            tiles_w, tl.num_programs(1), qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T,
-            CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, False, CHECK)
+            tiles_w, tl.num_programs(1) * GROUP, qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W,
+            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, GROUP, False, CHECK)
         if CHECK:
             tl.debug_barrier()
             tl.store(flag + tl.zeros_like(nonfinite_rows).to(tl.int64), tl.full(nonfinite_rows.shape, 1, tl.int8),
@@ -373,11 +383,12 @@ def dkdv_tile(
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr,
-    CHECK: tl.constexpr,
+    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
+    SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
-    """One dK/dV program's work. Returns (with ``CHECK``) which of its rows of dK or dV hold an inf or NaN.
-    ``SAFE``: the safe way (``kernels.common``)."""
+    """One dK/dV program's work: ``head`` a key/value head, its query heads
+    ``head * GROUP ...`` scanned in turn. Returns (with ``CHECK``) which of its rows
+    of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``)."""
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
@@ -395,27 +406,43 @@ def dkdv_tile(
     pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
     k = load_rows(K + bh * stride_kb + hd * stride_kn, pos_t, pos_h, pos_w, stride_kt, stride_kh, stride_kw, d, d_ok)
     v = load_rows(V + bh * stride_vb + hd * stride_vn, pos_t, pos_h, pos_w, stride_vt, stride_vh, stride_vw, d, d_ok)
-    q_base = Q + bh * stride_qb + hd * stride_qn
-    do_base = DO + bh * stride_dob + hd * stride_don
+    q_head = head * GROUP  # the group's first query head
+    q_base = Q + bh * stride_qb + q_head.to(tl.int64) * stride_qn
+    do_base = DO + bh * stride_dob + q_head.to(tl.int64) * stride_don
 
     if SAFE:
         # dV elements a visible non-finite dO row reaches, and dK elements a
         # visible non-finite query reaches, are first marked NaN in DV and DK.
         dk_rows = bh * stride_dkb + hd * stride_dkn + pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw
         dv_rows = bh * stride_dvb + hd * stride_dvn + pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw
-        mark_reached_by_queries(DV, dv_rows, k_valid, do_base, stride_dot, stride_doh, stride_dow, kt, kh, kw,
-                                T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N,
-                                Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
-        mark_reached_by_queries(DK, dk_rows, k_valid, q_base, stride_qt, stride_qh, stride_qw, kt, kh, kw,
-                                T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N,
-                                Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+        mark_reached_by_queries(DV, dv_rows, k_valid, do_base, stride_don, stride_dot, stride_doh, stride_dow,
+                                kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM,
+                                BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP)
+        mark_reached_by_queries(DK, dk_rows, k_valid, q_base, stride_qn, stride_qt, stride_qh, stride_qw,
+                                kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM,
+                                BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP)
         tl.debug_barrier()  # the marks were stored by other threads of the program
-    dk, dv = dkdv_scan(
-        k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-        stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
-        kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
-        HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ACCUMULATE_DQ, USE_TMA,
-        BULK_DQ, SAFE)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if GROUP == 1:
+        dk, dv = dkdv_scan(
+            dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+            stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ACCUMULATE_DQ,
+            USE_TMA, BULK_DQ, SAFE)
+    else:
+        n = q_head
+        for _ in range(GROUP):
+            dk, dv = dkdv_scan(
+                dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+                stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, n, heads, bh,
+                n.to(tl.int64), kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale,
+                d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
+                ACCUMULATE_DQ, USE_TMA, BULK_DQ, SAFE)
+            n += 1
+            q_base += stride_qn
+            do_base += stride_don
     if SAFE:
         in_tile = k_valid[:, None] & d_ok[None, :]
         marks = tl.load(DV + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
@@ -443,15 +470,15 @@ def dkdv_tile(
 
 
 @triton.jit
-def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
               stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
               kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
               CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
               ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr):
-    """The dK/dV kernel's scan over the query boxes that see its keys:
-    ``(dk, dv)``, dK unscaled. ``SAFE``: the safe loop (``kernels.common``):
+    """The dK/dV kernel's scan over the query boxes of one query head (``head``,
+    ``hd``) that see its keys: ``(dk, dv)`` plus their terms, dK unscaled. ``SAFE``: the safe loop (``kernels.common``):
     ``dS`` masked by selection, the products by the finite parts of dO (for dV)
     and Q (for dK); not pipelined.
 
@@ -464,8 +491,6 @@ def dkdv_scan(k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if ACCUMULATE_DQ:
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)

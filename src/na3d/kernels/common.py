@@ -344,15 +344,16 @@ def mark_reached_by_keys(OUT, out_rows, q_valid, src_base, stride_t, stride_h, s
 
 
 @triton.jit
-def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_t, stride_h, stride_w, kt, kh, kw, T, H, W,
-                            KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1,
+def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_n, stride_t, stride_h, stride_w, kt, kh, kw,
+                            T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1,
                             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                             Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
                             CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-                            STRIDED: tl.constexpr):
+                            STRIDED: tl.constexpr, GROUP: tl.constexpr):
     """:func:`mark_reached_by_keys` for a program over a box of keys (dK/dV) whose
     final product takes one row of ``src`` per query (Q for dK, dO for dV): its
-    scan over the queries ``[q0, q1)`` per axis that see its keys."""
+    scan over the queries ``[q0, q1)`` per axis that see its keys, of each of the
+    ``GROUP`` query heads from ``src_base`` on (``stride_n`` apart)."""
     steps_h = tl.cdiv(qh1 - qh0, Q_H)
     steps_w = tl.cdiv(qw1 - qw0, Q_W)
     n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
@@ -360,26 +361,29 @@ def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_t, stride_h
     for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
         cols = c0 + tl.arange(0, CHANNELS)
         count = tl.zeros([BLOCK_N, CHANNELS], tl.float32)
-        i_t = tl.zeros([], tl.int32)
-        i_h = tl.zeros([], tl.int32)
-        i_w = tl.zeros([], tl.int32)
-        for _ in tl.range(n_steps, num_stages=1):
-            qt = qt0 + i_t * Q_T + off_t
-            qh = qh0 + i_h * Q_H + off_h
-            qw = qw0 + i_w * Q_W + off_w
-            # Queries past the range (neighbours, or repeats of its last one) are
-            # left out: a duplicate would count twice.
-            q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-            qt = tl.minimum(qt, qt1 - 1)
-            qh = tl.minimum(qh, qh1 - 1)
-            qw = tl.minimum(qw, qw1 - 1)
-            offs = qt.to(tl.int64) * stride_t + qh.to(tl.int64) * stride_h + qw.to(tl.int64) * stride_w
-            rows = tl.load(src_base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
-            _, ok = finite_part(rows)
-            visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                              CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
-            count = count_nonfinite(visible, ok, count)
-            i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+        base = src_base
+        for _ in range(GROUP):
+            i_t = tl.zeros([], tl.int32)
+            i_h = tl.zeros([], tl.int32)
+            i_w = tl.zeros([], tl.int32)
+            for _ in tl.range(n_steps, num_stages=1):
+                qt = qt0 + i_t * Q_T + off_t
+                qh = qh0 + i_h * Q_H + off_h
+                qw = qw0 + i_w * Q_W + off_w
+                # Queries past the range (neighbours, or repeats of its last one) are
+                # left out: a duplicate would count twice.
+                q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+                qt = tl.minimum(qt, qt1 - 1)
+                qh = tl.minimum(qh, qh1 - 1)
+                qw = tl.minimum(qw, qw1 - 1)
+                offs = qt.to(tl.int64) * stride_t + qh.to(tl.int64) * stride_h + qw.to(tl.int64) * stride_w
+                rows = tl.load(base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
+                _, ok = finite_part(rows)
+                visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                                  CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+                count = count_nonfinite(visible, ok, count)
+                i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+            base += stride_n
         tl.store(OUT + out_rows[:, None] + cols[None, :],
                  tl.where(count > 0, float("nan"), 0.0).to(OUT.dtype.element_ty),
                  mask=k_valid[:, None] & (cols[None, :] < HEAD_DIM))

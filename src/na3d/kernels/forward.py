@@ -34,12 +34,20 @@ def na3d_fwd_kernel(
     SCALE_SIGN: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    GROUP: tl.constexpr,
     CHECK: tl.constexpr,
     REDO: tl.constexpr,
 ):
-    """Grid: (query tiles, heads, batch). One program: a Q_T x Q_H x Q_W box of queries
-    of one (batch, head), against the union of their windows, scanned in
-    KV_T x KV_H x KV_W boxes of keys with an online softmax (log2 domain, fp32).
+    """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
+    Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
+    windows, scanned in KV_T x KV_H x KV_W boxes of keys with an online softmax
+    (log2 domain, fp32).
+
+    ``GROUP``: query heads per key/value head (grouped-query attention; 1 for
+    multi-head). Query head ``n`` reads key/value head ``n // GROUP``; the GROUP
+    programs of a box of queries that share a key/value head are adjacent in the
+    grid, so that its keys and values are read from memory once and from L2 after.
+    ``heads`` counts query heads.
 
     ``qk_scale`` is the softmax scale times log2(e), ``SCALE_SIGN`` its sign (-1, 0,
     1). LSE, when stored, is the natural log-sum-exp per query, float32, contiguous
@@ -85,17 +93,17 @@ def na3d_fwd_kernel(
                             stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT,
                             KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
                             KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA,
-                            MASK_T, MASK_H, MASK_W, True, False)
+                            MASK_T, MASK_H, MASK_W, GROUP, True, False)
     else:
-        head = tl.program_id(1)
+        head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
         batch = tl.program_id(2)
-        tile = tl.program_id(0)
+        tile = tl.program_id(0) // GROUP
         nonfinite = forward_tile(tile, head, batch, Q, K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
             stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt,
             stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT, KH,
-            KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1), qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T,
-            KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W,
-            False, CHECK)
+            KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1) * GROUP, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
+            KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H,
+            MASK_W, GROUP, False, CHECK)
         if CHECK:
             tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
@@ -114,10 +122,12 @@ def forward_tile(
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr, SAFE: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
-    (batch, head). Returns (with ``CHECK``) whether the output holds an inf or NaN. ``SAFE``: the
+    (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
+    Returns (with ``CHECK``) whether the output holds an inf or NaN. ``SAFE``: the
     safe way (``kernels.common``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it."""
@@ -138,8 +148,9 @@ def forward_tile(
               + (qt.to(tl.int64) * stride_qt + qh.to(tl.int64) * stride_qh
                  + qw.to(tl.int64) * stride_qw)[:, None] + d[None, :])
     q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
-    k_base = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kn
-    v_base = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vn
+    kv_head = head // GROUP
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vn
 
     if SAFE:
         o_rows = (batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on + qt.to(tl.int64) * stride_ot
@@ -151,7 +162,7 @@ def forward_tile(
         tl.debug_barrier()  # the marks were stored by other threads of the program
     acc, m_i, l_i = forward_scan(
         q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
-        batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
+        batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
         HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN, USE_TMA,
         MASK_T, MASK_H, MASK_W, SAFE)
     out = acc / l_i[:, None]
@@ -177,7 +188,7 @@ def forward_tile(
 
 @triton.jit
 def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
-                 batch, head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale,
+                 batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale,
                  d, d_ok,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
@@ -234,7 +245,7 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
         kh = c_h + off_h
         kw = c_w + off_w
         if USE_TMA and not SAFE:
-            k = K_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+            k = K_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
             # Keys past the union (last step along an axis) load a repeat of its last
             # position; they lie outside every window of the box, so the mask drops them.
@@ -281,7 +292,7 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
             p = tl.math.exp2(s * qk_scale - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA and not SAFE:
-            v = V_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+            v = V_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
             offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_vt
                     + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_vh

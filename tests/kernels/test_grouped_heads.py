@@ -1,0 +1,82 @@
+"""Grouped-query and multi-query attention inside the kernels (``GROUP`` query heads
+per key/value head): the forward, both backward paths (dK/dV summing its group's
+query heads in a fixed order, and the one-pass backward), key/value boxes through
+tensor descriptors and through pointers, and the second launch that recomputes
+tiles holding an inf or NaN, against the float64 oracle.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from na3d import configs, launch
+from na3d.reference import na3d_windowed
+from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv, slow_except
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.kernels_interpreted(),
+    reason="no GPU and the Triton interpreter is not active")
+
+# (shape, key/value heads, kernel, layout): odd sizes, B > 1, a kernel equal to its axis.
+CASES = [
+    ((2, 3, 4, 5, 4, 16), 2, (3, 3, 5), "contiguous"),
+    ((1, 3, 5, 4, 3, 16), 1, (2, 5, 3), "contiguous"),      # multi-query, even kernel
+    ((1, 2, 4, 7, 4, 32), 1, (2, 3, 3), "heads_first"),     # pointer loads (strided heads)
+    ((1, 2, 5, 6, 8, 16), 2, (1, 3, 6), "contiguous"),
+]
+FWD = configs.ForwardConfig((1, 4, 4), (1, 2, 8), 4, 2)
+BWD = configs.BackwardConfig((1, 4, 4), (1, 2, 8), (1, 4, 4), (1, 2, 8), 4, 1)
+
+
+def grouped(shape, kv_heads, layout, dtype, seed):
+    q, k, v = make_qkv(shape, dtype, layout=layout, device=DEVICE, seed=seed)
+    return q, k[..., :kv_heads, :], v[..., :kv_heads, :]
+
+
+RUNS = [(case, dtype) for case in CASES for dtype in (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=(1, 2, 4), ids=[f"{i // 2}-{str(d)[6:]}" for i, (_, d)
+                                                                        in enumerate(RUNS)]))
+def test_grouped_heads_forward_and_backward(case, dtype):
+    shape, kv_heads, kernel, layout = case
+    q, k, v = grouped(shape, kv_heads, layout, dtype, seed=sum(shape))
+    grad_out = make_qkv(shape, dtype, device=DEVICE, seed=7)[0]
+    out = torch.full_like(q, float("nan"))
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, out=out, need_lse=True, config=FWD)
+    assert_matches_oracle(out, q, k, v, kernel, 0.3)
+    for fused in (False, True):
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
+                             config=dataclasses.replace(BWD, fused=fused))
+        assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3)
+
+
+def test_grouped_heads_keep_non_finite_keys_inside_their_windows():
+    """A NaN in one key of one key/value head: the outputs and gradients of the
+    queries of its group whose window holds it are NaN; everything else equals the
+    result with that key zeroed, bit for bit (the second launch's safe path with a
+    group of query heads)."""
+    shape, kernel = (1, 3, 5, 6, 4, 16), (3, 3, 3)
+    q, k, v = grouped(shape, 2, "contiguous", torch.float32, seed=5)
+    grad_out = make_qkv(shape, torch.float32, device=DEVICE, seed=6)[0]
+    bad = k.clone()
+    bad[0, 1, 2, 3, 1, 4] = float("nan")
+    clean = k.clone()
+    clean[0, 1, 2, 3, 1, 4] = 0.0
+
+    def run(keys):
+        out, lse = launch.na3d_forward(q, keys, v, kernel, 0.3, need_lse=True, config=FWD)
+        return (out, *launch.na3d_backward(grad_out, q, keys, v, out, lse, kernel, 0.3, config=BWD))
+
+    got, want = run(bad), run(clean)
+    # The queries whose windows hold the key, as the gathered oracle finds them
+    # (key/value head 1 serves query heads 2 and 3).
+    reached = na3d_windowed(q.cpu(), bad.cpu(), v.cpu(), kernel, 0.3).isnan().any(-1)
+    assert reached[..., 2:].any() and not reached[..., :2].any()
+    assert torch.equal(got[0].isnan().any(-1).cpu(), reached)
+    for g, w in zip(got, want):
+        finite = ~g.isnan()
+        assert torch.equal(g[finite], w[finite])
