@@ -56,7 +56,8 @@ def fewest_issued(grid, kernel_size, queries):
 def main(path):
     with open(path) as f:
         results = json.load(f)
-    rows = {(r["name"], r["pass"]): r for r in results["rows"]}
+    # (Feature rows, from --features, time a feature against the plain call: no floor.)
+    rows = {(r["name"], r["pass"]): r for r in results["rows"] if "feature" not in r}
     dense = results["ceilings"].get("dense_reference", {})
     print(f"results: {path} (commit {results['commit'][:7]}, {results['device']})")
     print(f"ceilings: {results['ceilings']['copy_tbs']} TB/s copy, dense flash "

@@ -172,6 +172,135 @@ def test_rows_time_a_peer_like_na3d(monkeypatch):
     assert set(bwd["fwd_plus_bwd"]["ms"]) == {"na3d", "natten_hopper"}
 
 
+def test_features_and_their_row_names():
+    assert list(bench.FEATURES) == ["gqa-8on2", "mqa", "dilation-122", "dilation-222", "causal-t", "causal-thw", "lse"]
+    bases = bench.feature_bases()
+    assert [b["name"] for b in bases] == ["feature-base", "ltx-stage3"]
+    assert bases[0]["shape"] == [1, 24, 48, 64, 8, 64] and bases[0]["kernel_size"] == [3, 5, 5]
+    assert {b["shape"][4] for b in bases} == {8}  # 8 query heads: 8 on 2 and 8 on 1
+    # The feature base is not a benchmark shape: the tuner and the tests do not pick it up.
+    assert "feature-base" not in {s["name"] for s in bench_shapes("all")}
+    assert [b["name"] for b in bench.feature_bases(["ltx-stage3"])] == ["ltx-stage3"]
+    with pytest.raises(ValueError, match="ltx-stage1"):
+        bench.feature_bases(["ltx-stage1"])
+    assert bench.feature_row_name("gqa-8on2", "ltx-stage3") == "feature-gqa-8on2/ltx-stage3"
+    # Unique per (feature, base): merging by (name, pass) keeps every one.
+    names = {bench.feature_row_name(f, b["name"]) for f in bench.FEATURES for b in bases}
+    assert len(names) == len(bench.FEATURES) * len(bases)
+    assert not any(bench.feature_skip_reason(b, args) for b in bases for args in bench.FEATURES.values())
+
+
+def test_features_invalid_on_a_base_are_skipped():
+    spec = {"name": "small", "shape": [1, 4, 8, 16, 3, 64], "kernel_size": [3, 5, 5]}
+    reasons = {f: bench.feature_skip_reason(spec, args) for f, args in bench.FEATURES.items()}
+    assert "do not divide the 3 query heads" in reasons["gqa-8on2"]
+    assert reasons["dilation-122"] == "kernel * dilation beyond the size: H 5 * 2 > 8"
+    assert reasons["dilation-222"] == "kernel * dilation beyond the size: T 3 * 2 > 4, H 5 * 2 > 8"
+    assert {f for f, r in reasons.items() if r is None} == {"mqa", "causal-t", "causal-thw", "lse"}
+
+
+def scripted_timer(times):
+    """A timer that calls ``fn`` once (so the call runs) and returns the next of ``times``."""
+    times = iter(times)
+
+    def timer(fn, min_runs=10, target_ms=300.0, max_runs=200):
+        fn()
+        return next(times)
+    return timer
+
+
+def test_feature_rows_compare_the_feature_with_the_plain_call(monkeypatch):
+    """feature_row on the CPU (the kernels in the interpreter), timers scripted: the
+    plain call takes full heads and no keywords, the feature's the sliced key/value
+    heads and its keywords; vs_plain is feature over plain, eager and by GPU time (for
+    the backward: forward + backward minus forward)."""
+    import na3d
+
+    seen = []
+
+    def recording_na3d(q, k, v, kernel_size, **kwargs):
+        seen.append((k.shape[4], v.shape[4], kwargs))
+        return na3d.na3d(q, k, v, kernel_size, **kwargs)
+    monkeypatch.setattr(bench, "na3d", recording_na3d)
+    spec = {"name": "small", "shape": [1, 2, 3, 4, 8, 8], "kernel_size": [1, 3, 3]}
+    row = bench.feature_row(spec, "gqa-8on2", "fwd", scripted_timer([2.0, 3.0]), "cpu",
+                            gpu_timer=scripted_timer([1.0, 1.25]), dtype=torch.float32)
+    assert {(nk, nv, tuple(kw)) for nk, nv, kw in seen} == {(8, 8, ()), (2, 2, ())}
+    assert row["name"] == "feature-gqa-8on2/small" and row["base"] == "small" and row["pass"] == "fwd"
+    assert row["args"] == {"kv_heads": 2} and row["shape"] == spec["shape"] and row["kernel_size"] == [1, 3, 3]
+    assert row["ms"] == {"plain": 2.0, "feature": 3.0} and row["gpu_ms"] == {"plain": 1.0, "feature": 1.25}
+    assert row["vs_plain"] == {"na3d": 1.5, "na3d_gpu": 1.25}
+
+    seen.clear()
+    # bwd: the GPU timer is called for forward + backward, then the forward, per call.
+    row = bench.feature_row(spec, "lse", "bwd", scripted_timer([4.0, 5.0]), "cpu",
+                            gpu_timer=scripted_timer([5.0, 1.0, 9.0, 3.0]), dtype=torch.float32)
+    assert {kw.get("return_lse", False) for _, _, kw in seen} == {False, True}
+    assert row["args"] == {"return_lse": True} and row["pass"] == "bwd"
+    assert row["ms"] == {"plain": 4.0, "feature": 5.0} and row["gpu_ms"] == {"plain": 4.0, "feature": 6.0}
+    assert row["vs_plain"] == {"na3d": 1.25, "na3d_gpu": 1.5}
+
+    # Without a GPU timer: the eager ratio only. Dilation's arguments as the results file has them.
+    spec = {"name": "small", "shape": [1, 2, 4, 4, 8, 8], "kernel_size": [1, 2, 2]}
+    row = bench.feature_row(spec, "dilation-122", "fwd", scripted_timer([2.0, 2.5]), "cpu", dtype=torch.float32)
+    assert row["args"] == {"dilation": [1, 2, 2]} and seen[-1][2] == {"dilation": (1, 2, 2)}
+    assert "gpu_ms" not in row and row["vs_plain"] == {"na3d": 1.25}
+
+
+def test_feature_backward_differentiates_the_sliced_heads():
+    """A bwd feature call's run takes the gradients of the leaves it was called on: for
+    MQA, dk and dv have the one key/value head."""
+    spec = {"name": "small", "shape": [1, 2, 3, 4, 8, 8], "kernel_size": [1, 3, 3]}
+    calls = bench.feature_calls(spec, bench.FEATURES["mqa"], "bwd", "cpu", dtype=torch.float32)
+    plain, feature = calls["plain"][0](), calls["feature"][0]()
+    assert [g.shape[4] for g in plain] == [8, 8, 8] and [g.shape[4] for g in feature] == [8, 1, 1]
+
+
+def test_kernel_events_are_counted_without_copies():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    newer = [SimpleNamespace(activity_type=kind, name="x") for kind in ("kernel", "gpu_memset", "cuda_runtime")]
+    assert [bench.is_kernel_event(e) for e in newer] == [True, False, False]
+    older = [SimpleNamespace(device_type=DeviceType.CUDA, is_user_annotation=False, name="na3d_fwd_kernel"),
+             SimpleNamespace(device_type=DeviceType.CUDA, is_user_annotation=False, name="Memset (Device)"),
+             SimpleNamespace(device_type=DeviceType.CUDA, is_user_annotation=True, name="na3d::forward"),
+             SimpleNamespace(device_type=DeviceType.CPU, is_user_annotation=False, name="cudaLaunchKernel")]
+    assert [bench.is_kernel_event(e) for e in older] == [True, False, False, False]
+
+
+def test_feature_rows_merge_beside_the_shape_rows(capsys):
+    """--features writes into the results file there: its shape rows and fields are kept,
+    a feature row measured again replaces its old one; the shape tables leave feature
+    rows out, the feature table shows them."""
+    shape_fwd = {"name": "ltx-stage3", "pass": "fwd", "ms": {"na3d": 0.5}, "x_floor": {"na3d": 2.0},
+                 "floor_ms": 0.25}
+    shape_bwd = dict(shape_fwd, **{"pass": "bwd"})
+    old = {"name": "feature-mqa/ltx-stage3", "feature": "mqa", "base": "ltx-stage3", "pass": "fwd",
+           "ms": {"plain": 1.0, "feature": 2.0}, "vs_plain": {"na3d": 2.0}}
+    other = dict(old, name="feature-lse/ltx-stage3", feature="lse")
+    new = dict(old, ms={"plain": 0.5, "feature": 0.75}, gpu_ms={"plain": 0.25, "feature": 0.5},
+               vs_plain={"na3d": 1.5, "na3d_gpu": 2.0}, launches={"plain": 2, "feature": 3}, commit="b")
+    fields = {"commit": "a", "ceilings": {"copy_tbs": 4.0}}
+    result = bench.merged_results(fields, [shape_fwd, shape_bwd, old, other], [new], complete=False)
+    assert result["commit"] == "a" and result["ceilings"] == {"copy_tbs": 4.0}
+    assert result["rows"] == [shape_fwd, shape_bwd, other, new] and "incomplete" in result
+    assert "incomplete" not in bench.merged_results(fields, [], [new], complete=True)
+    assert [r["name"] for r in result["rows"] if bench.is_shape_row(r)] == ["ltx-stage3", "ltx-stage3"]
+    bench.print_feature_table([new, other])
+    head, *lines = capsys.readouterr().out.splitlines()
+    assert head.split()[:4] == ["feature", "base", "pass", "plain"]
+    assert lines[0].split() == ["mqa", "ltx-stage3", "fwd", "0.5000", "0.7500", "1.500", "0.2500", "0.5000",
+                                "2.000", "2/3"]
+    assert lines[1].split()[-3:] == ["nan", "nan", "-"]
+
+
+def test_feature_arguments():
+    args = bench.build_parser().parse_args(["--features", "--backward", "--shapes", "ltx-stage3"])
+    assert args.features and args.backward and args.shapes == ["ltx-stage3"]
+    assert not bench.build_parser().parse_args([]).features
+
+
 @pytest.mark.parametrize("width,used,budget,want", [
     (1, 20 << 30, 16 << 30, 1),      # one column already over the budget: stay at one
     (1, 1 << 30, 16 << 30, 4),       # grow, at most 4x per chunk

@@ -5,6 +5,7 @@
     python -m na3d.bench --group dit     # only the video-DiT shapes (head dim 128)
     python -m na3d.bench --decoder       # ... and the LTX-2.5 decoder end to end (diffusers)
     python -m na3d.bench --shapes edge-wide ltx-stage1 --no-flex
+    python -m na3d.bench --features --backward   # each feature against the plain call (below)
 
 On a GPU, in one process: measures the two ceilings (device-to-device copy
 bandwidth; dense SDPA flash-attention rate), then per shape times every method
@@ -29,6 +30,16 @@ host work included. For na3d each row also records ``gpu_ms``, its GPU time alon
 (the call replayed as a CUDA graph, ``Timer(graphs=True)``): on calls of tens of
 microseconds the host's launch work exceeds the kernels' and ``ms`` measures the
 host; ``gpu_ms`` is what CUDA graphs and ``torch.compile``'s graph mode get.
+
+``--features`` times, instead of the shape rows, each feature of the call (``FEATURES``:
+GQA 8 query heads on 2 key/value heads, MQA, dilation (1,2,2) and (2,2,2), causal time
+and causal on all axes, ``return_lse``) against the plain ``na3d(q, k, v, kernel_size)``
+on the same base shape (``feature-base``, ``ltx-stage3``), forward (and backward with
+``--backward``). Rows ``feature-<name>/<base>`` hold ``ms`` and ``gpu_ms`` of ``plain``
+and ``feature``, ``vs_plain`` (feature over plain: ``na3d`` eager, ``na3d_gpu`` by GPU
+time), the feature's ``args`` and ``launches`` (GPU kernels per call, counted with
+``torch.profiler`` after every timing). They are merged into the results file already
+there, whose other rows and fields stay; each records its own commit.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -350,8 +361,7 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
     def graph_of(fn):
-        out = fn(*leaves)
-        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+        return retained_backward(fn, leaves, do)
 
     # The grouped-SDPA reference is left out: its autograd graph keeps every box's
     # copies alive (tens of GB at stage 5) and it is not a competitor.
@@ -429,17 +439,32 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         record_speedups(row)
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d's backward (graph replay, minus the forward's)")
-
-        def forward():
-            return na3d(*leaves, ks, scale=scale)
-
-        def forward_backward():
-            return torch.autograd.grad(forward(), leaves, do)
-
-        both = gpu_timer(forward_backward, min_runs=20, target_ms=300)
-        record_gpu_time(row, both - gpu_timer(forward, min_runs=20, target_ms=300), floor_ms)
+        fn = functools.partial(na3d, kernel_size=ks, scale=scale)
+        record_gpu_time(row, backward_gpu_ms(gpu_timer, fn, leaves, do), floor_ms)
         torch.cuda.empty_cache()
     return row
+
+
+def retained_backward(fn, leaves, grads) -> Callable:
+    """``fn(*leaves)`` run once; returns a call that takes the gradients of the ``leaves``
+    from its retained autograd graph (``grads``: the output's gradient, or a sequence
+    of them for a call returning several tensors): the backward alone, forward excluded."""
+    out = fn(*leaves)
+    return lambda: torch.autograd.grad(out, leaves, grads, retain_graph=True)
+
+
+def backward_gpu_ms(gpu_timer: Timer, fn, leaves, grads) -> float:
+    """GPU time of ``fn``'s backward: a backward replays in a CUDA graph only with the
+    forward that recorded its autograd graph captured beside it, so this is the graph
+    time of ``fn(*leaves)`` + ``autograd.grad`` minus that of ``fn(*leaves)`` alone."""
+    def forward():
+        return fn(*leaves)
+
+    def forward_backward():
+        return torch.autograd.grad(forward(), leaves, grads)
+
+    both = gpu_timer(forward_backward, min_runs=20, target_ms=300)
+    return both - gpu_timer(forward, min_runs=20, target_ms=300)
 
 
 def natten_backward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer, graph_of,
@@ -606,6 +631,198 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     log(f"wrote {path}")
 
 
+# Features against the plain call (--features): each feature of the public call timed
+# beside na3d(q, k, v, kernel_size) on the same base shape, in the same process.
+
+# A base of its own (defined here, not in bench_shapes.json: bench_shapes() callers, the
+# tuner and the tests, do not pick it up), and an LTX shape; both have 8 heads.
+FEATURE_BASE = {"name": "feature-base", "group": "features", "shape": [1, 24, 48, 64, 8, 64],
+                "kernel_size": [3, 5, 5]}
+FEATURE_BASE_NAMES = ("feature-base", "ltx-stage3")
+
+# name -> the feature's arguments: na3d's keywords, and kv_heads (key and value sliced to
+# their first kv_heads heads, views, as a user passes them).
+FEATURES = {
+    "gqa-8on2": {"kv_heads": 2},
+    "mqa": {"kv_heads": 1},
+    "dilation-122": {"dilation": (1, 2, 2)},
+    "dilation-222": {"dilation": (2, 2, 2)},
+    "causal-t": {"is_causal": (True, False, False)},
+    "causal-thw": {"is_causal": (True, True, True)},
+    "lse": {"return_lse": True},
+}
+
+
+def feature_row_name(feature: str, base: str) -> str:
+    """``feature-<feature>/<base>``: unique per (feature, base), so that rows merge by (name, pass)."""
+    return f"feature-{feature}/{base}"
+
+
+def feature_bases(names: Optional[List[str]] = None) -> List[dict]:
+    """The base shapes of the feature rows (``FEATURE_BASE_NAMES``), or those named in
+    ``names``; ValueError for another name."""
+    known = {s["name"]: s for s in bench_shapes("ltx")}
+    known[FEATURE_BASE["name"]] = FEATURE_BASE
+    return named_shapes([known[n] for n in FEATURE_BASE_NAMES], names, "feature base shapes")
+
+
+def feature_skip_reason(spec: dict, args: dict) -> Optional[str]:
+    """Why the feature ``args`` cannot run on the base shape ``spec``; None when it can."""
+    B, T, H, W, NH, HD = spec["shape"]
+    nkv = args.get("kv_heads")
+    if nkv is not None and (nkv >= NH or NH % nkv):
+        return f"{nkv} key/value heads do not divide the {NH} query heads into groups"
+    dilation = args.get("dilation")
+    if dilation is not None:
+        over = [f"{axis} {k} * {d} > {size}" for axis, k, d, size
+                in zip("THW", spec["kernel_size"], dilation, (T, H, W)) if k * d > size]
+        if over:
+            return "kernel * dilation beyond the size: " + ", ".join(over)
+    return None
+
+
+def feature_call(q, k, v, kernel_size, args: dict) -> Tuple[Callable, list]:
+    """``na3d`` with the feature's keywords, and its inputs: q, and k, v sliced to their
+    first ``kv_heads`` heads for GQA/MQA (views). ``args`` empty: the plain call."""
+    kwargs = dict(args)
+    nkv = kwargs.pop("kv_heads", None)
+    if nkv is not None:
+        k, v = k[..., :nkv, :], v[..., :nkv, :]
+    return functools.partial(na3d, kernel_size=kernel_size, **kwargs), [q, k, v]
+
+
+def feature_calls(spec: dict, args: dict, pas: str, device, dtype=torch.bfloat16) -> Dict[str, tuple]:
+    """The plain call's and the feature's runs on one base shape, for one pass:
+    ``{"plain": (run, gpu_ms), "feature": (run, gpu_ms)}``. ``run()`` is what the eager
+    timer and the launch count call: the call itself (fwd), or ``autograd.grad`` of its
+    retained graph (bwd: :func:`retained_backward`, as in :func:`backward_row`);
+    ``gpu_ms(gpu_timer)`` its GPU time by graph replay (bwd: :func:`backward_gpu_ms`).
+    Both take the same q (and dO); a call returning the lse gets a dLSE beside dO."""
+    shape, ks = tuple(spec["shape"]), tuple(spec["kernel_size"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4))
+    dlse = torch.randn(shape[:-1], generator=gen, dtype=torch.float32, device=device)
+    calls = {}
+    for method, method_args in (("plain", {}), ("feature", args)):
+        fn, inputs = feature_call(q, k, v, ks, method_args)
+        if pas == "fwd":
+            run = functools.partial(fn, *inputs)
+            calls[method] = (run, functools.partial(graph_forward_ms, run=run))
+        else:
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            grads = (do, dlse) if method_args.get("return_lse") else do
+            calls[method] = (retained_backward(fn, leaves, grads),
+                             functools.partial(backward_gpu_ms, fn=fn, leaves=leaves, grads=grads))
+    return calls
+
+
+def graph_forward_ms(gpu_timer: Timer, run: Callable) -> float:
+    """GPU time of ``run`` by graph replay, as :func:`forward_row` times na3d's."""
+    return gpu_timer(run, min_runs=20, target_ms=300)
+
+
+def feature_row(spec: dict, feature: str, pas: str, timer: Timer, device, gpu_timer: Optional[Timer] = None,
+                dtype=torch.bfloat16) -> dict:
+    """One feature against the plain call on the base shape ``spec``, one pass (``"fwd"``
+    or ``"bwd"``): ``ms`` (eager, as na3d's in the shape rows) and ``gpu_ms`` (with
+    ``gpu_timer``) for ``plain`` and ``feature``, and their ratios in ``vs_plain``."""
+    args = FEATURES[feature]
+    row = {"name": feature_row_name(feature, spec["name"]), "feature": feature, "base": spec["name"],
+           "group": "features", "shape": list(spec["shape"]), "kernel_size": list(spec["kernel_size"]),
+           "dtype": str(dtype).split(".")[-1], "pass": pas,
+           "args": {a: list(x) if isinstance(x, tuple) else x for a, x in args.items()}, "ms": {}}
+    calls = feature_calls(spec, args, pas, device, dtype)
+    for method, (run, gpu_ms) in calls.items():
+        log(f"  {row['name']} {pas}: timing {method}")
+        row["ms"][method] = round(timer(run, min_runs=20, target_ms=300), 5)
+        if gpu_timer is not None:
+            row.setdefault("gpu_ms", {})[method] = round(gpu_ms(gpu_timer), 5)
+    del calls
+    torch.cuda.empty_cache()
+    record_vs_plain(row)
+    return row
+
+
+def record_vs_plain(row: dict) -> None:
+    """``row["vs_plain"]``: the feature's time over the plain call's, eager (``na3d``) and
+    by GPU time (``na3d_gpu``, where both were measured and positive)."""
+    ms, gpu = row["ms"], row.get("gpu_ms", {})
+    ratio = {"na3d": round(ms["feature"] / ms["plain"], 3)}
+    if gpu.get("plain", 0) > 0 and gpu.get("feature", 0) > 0:
+        ratio["na3d_gpu"] = round(gpu["feature"] / gpu["plain"], 3)
+    row["vs_plain"] = ratio
+
+
+def is_kernel_event(event) -> bool:
+    """A GPU kernel among a ``torch.profiler`` run's events (copies, memsets, syncs and
+    annotations left out)."""
+    kind = getattr(event, "activity_type", None)  # kineto's activity name, in newer torch
+    if kind is not None:
+        return kind == "kernel"
+    from torch.autograd import DeviceType
+    return (event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            and not event.name.startswith(("Memcpy", "Memset")) and "Sync" not in event.name)
+
+
+def kernel_launches(run: Callable) -> int:
+    """GPU kernels that one ``run()`` runs, as ``torch.profiler`` (CUPTI) records them."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if is_kernel_event(e))
+
+
+def add_launch_counts(row: dict, device) -> None:
+    """``row["launches"]``: kernels one plain call and one feature call run (for a bwd
+    row, the backward alone), counted after every row is timed, so that the profiler
+    runs after the timings. A count of 0 (the profiler saw no kernel) or a profiler
+    error is recorded as ``launches_note`` instead."""
+    calls = feature_calls(row, FEATURES[row["feature"]], row["pass"], device, getattr(torch, row["dtype"]))
+    try:
+        counts = {method: kernel_launches(run) for method, (run, _) in calls.items()}
+    except Exception as exc:  # a profiler that does not run here: no count
+        row["launches_note"] = f"not counted: {type(exc).__name__}: {exc}"[:300]
+        return
+    finally:
+        del calls
+        torch.cuda.empty_cache()
+    if min(counts.values()) == 0:
+        row["launches_note"] = f"not counted: the profiler recorded no kernel ({counts})"
+    else:
+        row["launches"] = counts
+
+
+def is_shape_row(row: dict) -> bool:
+    """A forward or backward row of a benchmark shape (not a feature or decoder row)."""
+    return row["pass"] in ("fwd", "bwd") and "feature" not in row
+
+
+def print_feature_table(rows: List[dict]) -> None:
+    """The feature rows: ms of the plain and the feature call, their ratio, eager and by GPU time."""
+    log(f"{'feature':<14}{'base':<14}{'pass':>5}{'plain ms':>10}{'feature ms':>11}{'x eager':>9}"
+        f"{'plain gpu':>11}{'feature gpu':>12}{'x gpu':>8}{'launches':>10}")
+    nan = float("nan")
+    for r in rows:
+        ms, gpu, ratio = r["ms"], r.get("gpu_ms", {}), r.get("vs_plain", {})
+        launches = "/".join(str(r["launches"][m]) for m in ("plain", "feature")) if "launches" in r else "-"
+        log(f"{r['feature']:<14}{r['base']:<14}{r['pass']:>5}{ms.get('plain', nan):>10.4f}"
+            f"{ms.get('feature', nan):>11.4f}{ratio.get('na3d', nan):>9.3f}{gpu.get('plain', nan):>11.4f}"
+            f"{gpu.get('feature', nan):>12.4f}{ratio.get('na3d_gpu', nan):>8.3f}{launches:>10}")
+
+
+def merged_results(fields: dict, kept: List[dict], rows: List[dict], complete: bool) -> dict:
+    """The results file: ``fields`` (device, versions, commit, ceilings, peers), then
+    ``kept``'s rows not measured again (same name and pass) followed by ``rows``."""
+    measured = {(r["name"], r["pass"]) for r in rows}
+    result = dict(fields, rows=[r for r in kept if (r["name"], r["pass"]) not in measured] + rows)
+    if not complete:
+        result["incomplete"] = "the run stopped before measuring every requested row"
+    return result
+
+
+
 def cpu_demo() -> None:
     log("No GPU found: running a small CPU demonstration instead (no results file written).")
     log(f"Kernels {'run in the Triton interpreter' if launch.kernels_interpreted() else 'are not used on the CPU; the exact PyTorch reference runs'}.")
@@ -640,19 +857,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also decode with the full-size LTX-2.5 decoder (needs diffusers; row ltx-decoder)")
     parser.add_argument("--no-shapes", action="store_true", help="no shape rows (e.g. --decoder alone)")
     parser.add_argument("--merge", default=None, metavar="RESULTS_JSON",
-                        help="start from this results file (same commit required): rows measured now replace "
-                             "its rows of the same name and pass, the others are kept")
+                        help="start from this results file (same commit required, except with --features): rows "
+                             "measured now replace its rows of the same name and pass, the others are kept")
+    parser.add_argument("--features", action="store_true",
+                        help="instead of the shape rows, time each feature (GQA 8 on 2 heads, MQA, dilation, "
+                             "causal, return_lse) against the plain call on the base shapes feature-base and "
+                             "ltx-stage3 (--shapes picks among them): rows feature-<name>/<base>, bwd rows too "
+                             "with --backward. Merged into the results file already at the output path (or "
+                             "--merge's) whatever its commit: its other rows and fields are kept, each feature "
+                             "row records its own commit. A run without --features (and without --merge) "
+                             "rewrites the file: run --features after it")
     return parser
 
 
 def select_shapes(group: str, names: Optional[List[str]]) -> List[dict]:
     """The group's shapes, or those of them named in ``names``; ValueError for a name
     the group does not have."""
-    specs = bench_shapes(group)
+    return named_shapes(bench_shapes(group), names, f"shapes in group {group}")
+
+
+def named_shapes(specs: List[dict], names: Optional[List[str]], what: str) -> List[dict]:
+    """``specs``, or those of them named in ``names`` (in ``specs``' order); ValueError,
+    naming ``what``, for a name they do not have."""
     if names:
         unknown = set(names) - {s["name"] for s in specs}
         if unknown:
-            raise ValueError(f"unknown shapes {sorted(unknown)} in group {group}; known: {[s['name'] for s in specs]}")
+            raise ValueError(f"unknown {what}: {sorted(unknown)}; known: {[s['name'] for s in specs]}")
         specs = [s for s in specs if s["name"] in names]
     return specs
 
@@ -666,18 +896,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
+    if args.features and args.decoder:
+        parser.error("--features runs on its own: run --decoder in another run")
     try:
-        specs = select_shapes(args.group, args.shapes)
+        specs = [] if args.features or args.no_shapes else select_shapes(args.group, args.shapes)
+        bases = feature_bases(args.shapes) if args.features else []
     except ValueError as exc:
         parser.error(str(exc))
-    if args.no_shapes:
-        specs = []
     commit = args.commit or git_commit()
-    kept = []
-    if args.merge:
-        with open(args.merge) as f:
+    slug = device_slug(name)
+    path = os.path.join(args.out_dir, f"{slug}.json")
+    # --features merges into the results file there (its shape rows are kept), whatever
+    # its commit: feature rows record their own.
+    merge_from = args.merge or (path if args.features and os.path.exists(path) else None)
+    kept, earlier = [], None
+    if merge_from:
+        with open(merge_from) as f:
             earlier = json.load(f)
-        if earlier.get("commit") != commit:
+        if earlier.get("commit") != commit and not args.features:
             parser.error(f"--merge {args.merge}: its rows are from commit {earlier.get('commit')}, this run is {commit}")
         kept = earlier["rows"]
     methods = ["na3d"] + ([] if args.no_reference else ["sdpa_exact"]) + ([] if args.no_flex else ["flex"])
@@ -687,13 +923,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(note)
     methods += peer_methods
     timer = Timer(device)
-    # (Its own 256 MiB flush buffer: only when shape rows are timed, so that a
+    # (Its own 256 MiB flush buffer: only when shape or feature rows are timed, so that a
     # decoder-only run's peak memory holds one.)
-    gpu_timer = Timer(device, graphs=True) if specs else None
-    log(f"device: {name}; torch {torch.__version__}; measuring ceilings")
-    ceilings = measure_ceilings(timer, device)
-    log(f"ceilings: copy {ceilings['copy_tbs']} TB/s, dense SDPA flash {ceilings['dense_attn_tflops']} TFLOP/s")
-    if args.backward:
+    gpu_timer = Timer(device, graphs=True) if specs or bases else None
+    log(f"device: {name}; torch {torch.__version__}")
+    ceilings = {}
+    if not args.features:  # (feature rows have no floor: no ceilings)
+        log("measuring ceilings")
+        ceilings = measure_ceilings(timer, device)
+        log(f"ceilings: copy {ceilings['copy_tbs']} TB/s, dense SDPA flash {ceilings['dense_attn_tflops']} TFLOP/s")
+    if args.backward and not args.features:
         ceilings["dense_reference"] = measure_dense_references(timer, device, flex=not args.no_flex)
         for ref_name, ref in ceilings["dense_reference"].items():
             if isinstance(ref, dict):
@@ -702,24 +941,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                     f"fwd {ref['fwd_tflops']} TFLOP/s, bwd {ref['bwd_tflops']} TFLOP/s, bwd/fwd {ref['bwd_over_fwd']}"))
     import triton
 
-    slug = device_slug(name)
-    path = os.path.join(args.out_dir, f"{slug}.json")
+    fields = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "commit": commit,
+              "date": datetime.date.today().isoformat(), "ceilings": ceilings,
+              "peers": dict(peers.versions(methods), skipped=peer_notes)}
+    if args.features and earlier is not None:
+        # The file's own fields (its shape rows' commit, ceilings, peers) stay.
+        fields = {key: value for key, value in earlier.items() if key != "rows"}
 
     def write(rows: List[dict], complete: bool) -> None:
         """The results file; rewritten after every shape, so a cut run keeps its rows."""
         if args.no_write:
             return
-        measured = {(r["name"], r["pass"]) for r in rows}
-        result = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-                  "python": platform.python_version(), "commit": commit,
-                  "date": datetime.date.today().isoformat(), "ceilings": ceilings,
-                  "peers": dict(peers.versions(methods), skipped=peer_notes),
-                  "rows": [r for r in kept if (r["name"], r["pass"]) not in measured] + rows}
-        if not complete:
-            result["incomplete"] = "the run stopped before measuring every requested row"
         os.makedirs(args.out_dir, exist_ok=True)
         with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(merged_results(fields, kept, rows, complete), f, indent=1)
 
     rows = []
     for i, spec in enumerate(specs):
@@ -735,24 +971,47 @@ def main(argv: Optional[List[str]] = None) -> int:
                 add_bwd_over_fwd(rows[-1], rows[-2])
             torch.cuda.empty_cache()
         write(rows, complete=False)
+    passes = ([] if args.no_forward else ["fwd"]) + (["bwd"] if args.backward else [])
+    # Feature rows say what measured them (the file's fields may be another run's).
+    stamp = {"commit": commit, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+             "triton": triton.__version__}
+    for i, base in enumerate(bases):
+        log(f"[features {i + 1}/{len(bases)}] {base['name']} {base['shape']} kernel {base['kernel_size']}")
+        for feature, feature_args in FEATURES.items():
+            reason = feature_skip_reason(base, feature_args)
+            if reason is not None:
+                log(f"  {feature_row_name(feature, base['name'])}: skipped: {reason}")
+                continue
+            for pas in passes:
+                rows.append(dict(feature_row(base, feature, pas, timer, device, gpu_timer=gpu_timer), **stamp))
+                write(rows, complete=False)
+    if bases:
+        log("[features] kernels per call (torch.profiler), counted after every timing")
+        for row in rows:
+            if "feature" in row:
+                add_launch_counts(row, device)
     if args.decoder:
         from .bench_decoder import decoder_row, print_row
         log("[decoder] LTX-2.5 diffusion decoder, 121 frames at 512x768, tiled")
         row = decoder_row(device)
         print_row(row)
         rows.append(row)
-    measured = {(r["name"], r["pass"]) for r in rows}
-    shown = ([r for r in kept if (r["name"], r["pass"]) not in measured and r["pass"] in ("fwd", "bwd")]
-             + [r for r in rows if r["pass"] in ("fwd", "bwd")])
-    print_table(shown)
-    print_method_table(shown)
+    shown = merged_results({}, kept, rows, complete=True)["rows"]
+    if args.features:
+        print_feature_table([r for r in shown if "feature" in r])
+    else:
+        shown = [r for r in shown if is_shape_row(r)]
+        print_table(shown)
+        print_method_table(shown)
     if args.no_write:
         return 0
     write(rows, complete=True)
     log(f"wrote {path}")
+    if args.features:  # the plot draws the shape rows: unchanged
+        return 0
     with open(path) as f:
         all_rows = json.load(f)["rows"]
-    plot([r for r in all_rows if r["pass"] in ("fwd", "bwd")], os.path.join(args.out_dir, f"{slug}.png"),
+    plot([r for r in all_rows if is_shape_row(r)], os.path.join(args.out_dir, f"{slug}.png"),
          f"na3d on {name} (bf16; fwd and bwd rows)")
     return 0
 
