@@ -30,10 +30,10 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (FLAG_BLOCK, MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, count_nonfinite,
+from .common import (MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, count_nonfinite,
                      finite_part, fixed_mask_bias, has_nonfinite, load_rows, mark_reached_by_keys,
-                     mark_reached_by_queries, next_box, nonfinite_rows, queries_seeing, seen_by, sees, step_mask_bias,
-                     step_visible, union_of_windows, window_bits, window_bounds)
+                     mark_reached_by_queries, next_box, nonfinite_rows, queries_seeing, run_programs, seen_by, sees,
+                     step_mask_bias, step_visible, union_of_windows, window_bits, window_bounds)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -82,39 +82,17 @@ def na3d_bwd_dq_kernel(
     score scales to -inf). ``FLAGS``, ``REDO``: as in the forward kernel.
 
     """
-    if REDO:
-        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
-            block = start + tl.arange(0, FLAG_BLOCK)
-            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
-                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
-                    if tl.load(FLAGS + program) != 0:
-                        dq_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads), Q, K,
-                            V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
-                            stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb,
-                            stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow,
-                            stride_on, stride_dob, stride_dot, stride_doh, stride_dow, stride_don, stride_dqb,
-                            stride_dqt, stride_dqh, stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h,
-                            tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W,
-                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP,
-                            True, False)
-    else:
-        head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
-        batch = tl.program_id(2)
-        tile = tl.program_id(0) // GROUP
-        nonfinite = dq_tile(tile, head, batch, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb,
-            stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-            stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow,
-            stride_on, stride_dob, stride_dot, stride_doh, stride_dow, stride_don, stride_dqb, stride_dqt, stride_dqh,
-            stride_dqw, stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1) * GROUP,
-            qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W,
-            STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP, False, CHECK)
-        if CHECK:
-            tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
-
+    run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
+                 stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt,
+                 stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, stride_dob,
+                 stride_dot, stride_doh, stride_dow, stride_don, stride_dqb, stride_dqt, stride_dqh, stride_dqw,
+                 stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T,
+                 Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H,
+                 MASK_W, GROUP), FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
 
 @triton.jit
 def dq_tile(
-    tile, head, batch,
+    tile, head, batch, heads,
     Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
@@ -122,7 +100,7 @@ def dq_tile(
     stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
     stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
     stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
-    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
@@ -331,46 +309,17 @@ def na3d_bwd_dkdv_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
-    if REDO:
-        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
-            block = start + tl.arange(0, FLAG_BLOCK)
-            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
-                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
-                    if tl.load(FLAGS + program) != 0:
-                        dkdv_tile(program % n_tiles, (program // n_tiles) % (heads // GROUP),
-                            program // (n_tiles * (heads // GROUP)), Q, K,
-                            V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, stride_qb, stride_qt,
-                            stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-                            stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh,
-                            stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-                            stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH,
-                            SW, tiles_h, tiles_w, heads, qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H,
-                            Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, False, False, GROUP, True, False)
-    else:
-        head = tl.program_id(1)
-        batch = tl.program_id(2)
-        tile = tl.program_id(0)
-        # The flag: 0 first, then 1 from the threads holding non-finite rows (see
-        # dkdv_tile), after a barrier so that no 0 lands after a 1.
-        flag = FLAGS + tile + n_tiles * (head + heads // GROUP * batch.to(tl.int64))
-        if CHECK:
-            tl.store(flag, tl.zeros([], tl.int8))
-        nonfinite_rows = dkdv_tile(tile, head, batch, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC,
-            STATS_DESC, stride_qb, stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh,
-            stride_kw, stride_kn, stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot,
-            stride_doh, stride_dow, stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-            stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h,
-            tiles_w, tl.num_programs(1) * GROUP, qk_scale, scale, HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W,
-            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, ACCUMULATE_DQ, BULK_DQ, GROUP, False, CHECK)
-        if CHECK:
-            tl.debug_barrier()
-            tl.store(flag + tl.zeros_like(nonfinite_rows).to(tl.int64), tl.full(nonfinite_rows.shape, 1, tl.int8),
-                     mask=nonfinite_rows)
-
+    run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, stride_qb,
+                 stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
+                 stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh, stride_dow,
+                 stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn, stride_dvb, stride_dvt,
+                 stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
+                 HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
+                 ACCUMULATE_DQ, BULK_DQ, GROUP), FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
 
 @triton.jit
 def dkdv_tile(
-    tile, head, batch,
+    tile, head, batch, heads,
     Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
@@ -378,7 +327,7 @@ def dkdv_tile(
     stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
     stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
     stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
-    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, scale,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
@@ -392,6 +341,10 @@ def dkdv_tile(
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
+    # The safe way adds no dQ terms: the fused kernel's first launch added them the
+    # safe way already.
+    ADD_DQ: tl.constexpr = ACCUMULATE_DQ and not SAFE
+    BULK_ADD_DQ: tl.constexpr = BULK_DQ and not SAFE
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored dK/dV row depends on them (dQ would: see below).
     t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W)
@@ -429,8 +382,8 @@ def dkdv_tile(
             dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
             stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
             kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ACCUMULATE_DQ,
-            USE_TMA, BULK_DQ, SAFE)
+            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ADD_DQ,
+            USE_TMA, BULK_ADD_DQ, SAFE)
     else:
         n = q_head
         for _ in range(GROUP):
@@ -439,7 +392,7 @@ def dkdv_tile(
                 stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, n, heads, bh,
                 n.to(tl.int64), kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale,
                 d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
-                ACCUMULATE_DQ, USE_TMA, BULK_DQ, SAFE)
+                ADD_DQ, USE_TMA, BULK_ADD_DQ, SAFE)
             n += 1
             q_base += stride_qn
             do_base += stride_don

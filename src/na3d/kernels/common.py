@@ -278,6 +278,61 @@ def has_nonfinite(x):
 
 
 @triton.jit
+def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
+                 GROUP: tl.constexpr, PER_KEY_HEAD: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr):
+    """A kernel's body, shared by the three: which tile, head and batch element each
+    program computes, ``tile_fn(tile, head, batch, heads, *args, SAFE, CHECK)``, and
+    its non-finite flag.
+
+    ``heads`` counts query heads, ``GROUP`` of them per key/value head. Programs run
+    per query head (forward, dQ: the grid's first axis holds a box's GROUP query
+    heads side by side, so that they read their key/value head's boxes close
+    together in time) or, with ``PER_KEY_HEAD``, per key/value head (dK/dV: the grid
+    is over key/value heads). The flag of program ``(tile, head, batch)`` is
+    ``FLAGS[tile + n_tiles * (head + grid heads * batch)]``.
+
+    First launch (``REDO`` off): the program's tile the fast way; with ``CHECK`` its
+    flag: per query head, 1 where the returned scalar says the tile holds an inf
+    or NaN, else 0; per key/value head, 0 first and then 1 from the threads of the
+    rows ``tile_fn`` returns as non-finite, after a barrier (a row's test needs no
+    shared memory, which keeps the dK/dV loop's registers as they were).
+
+    Second launch (``REDO``, a grid (G,), any G): the flagged programs, the safe way,
+    each by one of the G programs in turn; where no flag is set (finite inputs), each
+    program reads its share of the flags, ``FLAG_BLOCK`` at a time, and ends."""
+    if PER_KEY_HEAD:
+        grid_heads = heads // GROUP
+    else:
+        grid_heads = heads
+    if REDO:
+        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
+            block = start + tl.arange(0, FLAG_BLOCK)
+            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
+                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
+                    if tl.load(FLAGS + program) != 0:
+                        tile_fn(program % n_tiles, (program // n_tiles) % grid_heads,
+                                program // (n_tiles * grid_heads), heads, *args, True, False)
+    elif PER_KEY_HEAD:
+        head = tl.program_id(1)
+        batch = tl.program_id(2)
+        tile = tl.program_id(0)
+        flag = FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64))
+        if CHECK:
+            tl.store(flag, tl.zeros([], tl.int8))
+        rows = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, CHECK)
+        if CHECK:
+            tl.debug_barrier()  # no 0 lands after a 1
+            tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
+    else:
+        head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
+        batch = tl.program_id(2)
+        tile = tl.program_id(0) // GROUP
+        nonfinite = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, CHECK)
+        if CHECK:
+            tl.store(FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+
+
+@triton.jit
 def nonfinite_rows(x):
     """Per row of the 2-D tile ``x``: whether it holds an inf or NaN (as
     :func:`has_nonfinite`, one sum per row). A row's sum stays within the threads

@@ -7,9 +7,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (FLAG_BLOCK, MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, finite_part,
-                     fixed_mask_bias, has_nonfinite, mark_reached_by_keys, next_box, sees, step_mask_bias,
-                     step_visible, union_of_windows, window_bits, window_bounds)
+from .common import (MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, finite_part,
+                     fixed_mask_bias, has_nonfinite, mark_reached_by_keys, next_box, run_programs, sees,
+                     step_mask_bias, step_visible, union_of_windows, window_bits, window_bounds)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -81,42 +81,22 @@ def na3d_fwd_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
-    if REDO:
-        for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
-            block = start + tl.arange(0, FLAG_BLOCK)
-            if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
-                for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
-                    if tl.load(FLAGS + program) != 0:
-                        forward_tile(program % n_tiles, (program // n_tiles) % heads, program // (n_tiles * heads), Q,
-                            K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-                            stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt, stride_vh,
-                            stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT,
-                            KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-                            KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA,
-                            MASK_T, MASK_H, MASK_W, GROUP, True, False)
-    else:
-        head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
-        batch = tl.program_id(2)
-        tile = tl.program_id(0) // GROUP
-        nonfinite = forward_tile(tile, head, batch, Q, K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
-            stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt,
-            stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT, KH,
-            KW, ST, SH, SW, tiles_h, tiles_w, tl.num_programs(1) * GROUP, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W,
-            KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H,
-            MASK_W, GROUP, False, CHECK)
-        if CHECK:
-            tl.store(FLAGS + tile + n_tiles * (head + heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
-
+    run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh, stride_qw,
+                 stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt, stride_vh,
+                 stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT, KH, KW, ST,
+                 SH, SW, tiles_h, tiles_w, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T,
+                 CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP),
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
 
 @triton.jit
 def forward_tile(
-    tile, head, batch,
+    tile, head, batch, heads,
     Q, K, V, O, LSE, K_DESC, V_DESC,
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
     stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
