@@ -30,10 +30,10 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, count_nonfinite,
-                     finite_part, fixed_mask_bias, has_nonfinite, load_rows, mark_reached_by_keys,
-                     mark_reached_by_queries, next_box, nonfinite_rows, queries_seeing, run_programs, seen_by, sees,
-                     step_mask_bias, step_visible, union_of_windows, window_bits, window_bounds)
+from .common import (box_of_program, box_offsets, count_nonfinite, finite_part, has_nonfinite,
+                     key_scan_masks, key_scan_visible, load_rows, mark_reached_by_keys,
+                     mark_reached_by_queries, next_box, nonfinite_rows, queries_seeing, run_programs, seen_by,
+                     step_mask_bias, union_of_windows)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -190,25 +190,10 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE
-    # As in the forward's safe loop: bits where they fit (a fixed axis' union fits its box).
-    SAFE_T: tl.constexpr = MASK_BITS if MASK_T == MASK_BITS or (MASK_T == MASK_FIXED and KV_T <= 31) else MASK_PER_STEP
-    SAFE_H: tl.constexpr = MASK_BITS if MASK_H == MASK_BITS or (MASK_H == MASK_FIXED and KV_H <= 31) else MASK_PER_STEP
-    SAFE_W: tl.constexpr = MASK_BITS if MASK_W == MASK_BITS or (MASK_W == MASK_FIXED and KV_W <= 31) else MASK_PER_STEP
-    SAFE_BITS: tl.constexpr = SAFE and (MASK_T + MASK_H + MASK_W > 0)
-    if ON_PRODUCT or SAFE_BITS:
-        st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
-        sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
-        sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
-    if ON_PRODUCT:
-        fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
-                                     MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV)
-        bits_t = window_bits(st, et, ut0, MASK_T)
-        bits_h = window_bits(sh, eh, uh0, MASK_H)
-        bits_w = window_bits(sw, ew, uw0, MASK_W)
-    if SAFE_BITS:
-        bits_t = window_bits(st, et, ut0, SAFE_T)
-        bits_h = window_bits(sh, eh, uh0, SAFE_H)
-        bits_w = window_bits(sw, ew, uw0, SAFE_W)
+    windows, fixed_bias, bits = key_scan_masks(
+        qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
+        CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE,
+        float("-inf"))
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
@@ -223,26 +208,21 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
             k = K_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
             v = V_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
         else:
-            # Keys past the union repeat its last position and are masked (as forward).
+            # Keys past the union repeat its last position and are masked (load_key_box).
             pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
             ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
             pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
             k = load_rows(k_base, pt, ph, pw, stride_kt, stride_kh, stride_kw, d, d_ok)
             v = load_rows(v_base, pt, ph, pw, stride_vt, stride_vh, stride_vw, d, d_ok)
         if ON_PRODUCT:
-            bias = step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
-                                  bits_t >> (i_t * KV_T), bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W),
-                                  off_t, off_h, off_w, MASK_T, MASK_H, MASK_W)
+            bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
+                                  bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         else:
-            if SAFE_BITS:
-                visible = step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bits_t >> (i_t * KV_T),
-                                       bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W), off_t, off_h, off_w,
-                                       SAFE_T, SAFE_H, SAFE_W, BLOCK_Q, BLOCK_KV)
-            else:
-                visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h, off_w,
+                                       T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
+                                       MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, SAFE)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")

@@ -209,6 +209,79 @@ def step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, off_t, off_h, o
 
 
 @triton.jit
+def key_scan_masks(qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w,
+                   CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+                   MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+                   KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, ON_PRODUCT: tl.constexpr, SAFE: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """What a scan over key boxes (forward, dQ) computes once for its masks:
+    ``(windows, fixed_bias, bits)``. ``windows``: the queries' ``(st, et, sh, eh, sw,
+    ew)``; with ``ON_PRODUCT`` the fixed axes' part of the mask (``MASKED`` where it
+    hides) and the ``MASK_BITS`` axes' window bits; in the safe loop (``SAFE``) window
+    bits on every axis where they fit (a fixed axis' union fits its key box, so its
+    bits fit when the box does), which hold fewer registers than the fixed part.
+    Values a mode does not use are placeholders that the compiler drops."""
+    SAFE_BITS: tl.constexpr = SAFE and (MASK_T + MASK_H + MASK_W > 0)
+    if ON_PRODUCT or SAFE_BITS:
+        st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
+        sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
+        sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
+        windows = (st, et, sh, eh, sw, ew)
+    else:
+        windows = (qt, qt, qt, qt, qt, qt)
+    fixed_bias = tl.zeros([1, 1], tl.float32)
+    if ON_PRODUCT:
+        fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
+                                     MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV, MASKED)
+        bits = (window_bits(st, et, ut0, MASK_T), window_bits(sh, eh, uh0, MASK_H), window_bits(sw, ew, uw0, MASK_W))
+    elif SAFE_BITS:
+        SAFE_T: tl.constexpr = MASK_BITS if MASK_T == MASK_BITS or MASK_T == MASK_FIXED and KV_T < 32 else MASK_PER_STEP
+        SAFE_H: tl.constexpr = MASK_BITS if MASK_H == MASK_BITS or MASK_H == MASK_FIXED and KV_H < 32 else MASK_PER_STEP
+        SAFE_W: tl.constexpr = MASK_BITS if MASK_W == MASK_BITS or MASK_W == MASK_FIXED and KV_W < 32 else MASK_PER_STEP
+        bits = (window_bits(st, et, ut0, SAFE_T), window_bits(sh, eh, uh0, SAFE_H), window_bits(sw, ew, uw0, SAFE_W))
+    else:
+        bits = (qt, qt, qt)
+    return windows, fixed_bias, bits
+
+
+@triton.jit
+def key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h, off_w,
+                     T, H, W, KT, KH, KW, ST, SH, SW,
+                     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+                     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+                     KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SAFE: tl.constexpr):
+    """Boolean [queries, keys] for one step of a scan over key boxes that masks its
+    scores by selection (no mask on the product): from the window bits of
+    :func:`key_scan_masks` in the safe loop, by comparing positions otherwise."""
+    if SAFE and (MASK_T + MASK_H + MASK_W > 0):  # (the modes of key_scan_masks' bits)
+        SAFE_T: tl.constexpr = MASK_BITS if MASK_T == MASK_BITS or MASK_T == MASK_FIXED and KV_T < 32 else MASK_PER_STEP
+        SAFE_H: tl.constexpr = MASK_BITS if MASK_H == MASK_BITS or MASK_H == MASK_FIXED and KV_H < 32 else MASK_PER_STEP
+        SAFE_W: tl.constexpr = MASK_BITS if MASK_W == MASK_BITS or MASK_W == MASK_FIXED and KV_W < 32 else MASK_PER_STEP
+        st, et, sh, eh, sw, ew = windows
+        return step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
+                            bits[2] >> (i_w * KV_W), off_t, off_h, off_w, SAFE_T, SAFE_H, SAFE_W, BLOCK_Q, BLOCK_KV)
+    return sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+
+
+@triton.jit
+def load_key_box(DESC, base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_t, stride_h, stride_w,
+                 d, d_ok, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 FROM_DESC: tl.constexpr):
+    """One step's box of keys (or values) ``[BLOCK_KV, BLOCK_D]`` of a scan over the
+    union ``[u0, u1)``: through the tensor descriptor from the box's corner, or
+    through pointers, where keys past the union (the last step along an axis) load
+    a repeat of its last position (outside every window of the program's queries,
+    so the mask drops them)."""
+    if FROM_DESC:
+        return DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+    offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_t + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_h
+            + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_w)
+    return tl.load(base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+
+
+@triton.jit
 def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
          CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr):
     """Boolean [queries, keys] matrix: query (qt, qh, qw)[i] sees key (kt, kh, kw)[j]."""

@@ -7,9 +7,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (MASK_BITS, MASK_FIXED, MASK_PER_STEP, box_of_program, box_offsets, finite_part,
-                     fixed_mask_bias, has_nonfinite, mark_reached_by_keys, next_box, run_programs, sees,
-                     step_mask_bias, step_visible, union_of_windows, window_bits, window_bounds)
+from .common import (box_of_program, box_offsets, finite_part, has_nonfinite,
+                     key_scan_masks, key_scan_visible, load_key_box, mark_reached_by_keys, next_box, run_programs,
+                     step_mask_bias, union_of_windows)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -193,27 +193,9 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
     # (A zero scale has no scores to add the bias to: it keeps the plain mask; so
     # does the safe loop, which must select, not add, the mask.)
     ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0 and not SAFE
-    # The safe loop selects; its axes use window bits where they fit, which hold
-    # fewer registers than the fast loop's fixed part of the mask.
-    # (A fixed axis' union fits its key box, so its bits fit when the box does.)
-    SAFE_T: tl.constexpr = MASK_BITS if MASK_T == MASK_BITS or (MASK_T == MASK_FIXED and KV_T <= 31) else MASK_PER_STEP
-    SAFE_H: tl.constexpr = MASK_BITS if MASK_H == MASK_BITS or (MASK_H == MASK_FIXED and KV_H <= 31) else MASK_PER_STEP
-    SAFE_W: tl.constexpr = MASK_BITS if MASK_W == MASK_BITS or (MASK_W == MASK_FIXED and KV_W <= 31) else MASK_PER_STEP
-    SAFE_BITS: tl.constexpr = SAFE and (MASK_T + MASK_H + MASK_W > 0)
-    if ON_PRODUCT or SAFE_BITS:
-        st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
-        sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
-        sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
-    if ON_PRODUCT:
-        fixed_bias = fixed_mask_bias(ut0 + off_t, uh0 + off_h, uw0 + off_w, st, et, sh, eh, sw, ew,
-                                     MASK_T, MASK_H, MASK_W, BLOCK_Q, BLOCK_KV, MASKED)
-        bits_t = window_bits(st, et, ut0, MASK_T)
-        bits_h = window_bits(sh, eh, uh0, MASK_H)
-        bits_w = window_bits(sw, ew, uw0, MASK_W)
-    if SAFE_BITS:
-        bits_t = window_bits(st, et, ut0, SAFE_T)
-        bits_h = window_bits(sh, eh, uh0, SAFE_H)
-        bits_w = window_bits(sw, ew, uw0, SAFE_W)
+    windows, fixed_bias, bits = key_scan_masks(
+        qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
+        CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE, MASKED)
     i_t = tl.zeros([], tl.int32)
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
@@ -224,29 +206,17 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
         kt = c_t + off_t
         kh = c_h + off_h
         kw = c_w + off_w
-        if USE_TMA and not SAFE:
-            k = K_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
-        else:
-            # Keys past the union (last step along an axis) load a repeat of its last
-            # position; they lie outside every window of the box, so the mask drops them.
-            offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_kt
-                    + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_kh
-                    + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_kw)
-            k = tl.load(k_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        k = load_key_box(K_DESC, k_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_kt,
+                         stride_kh, stride_kw, d, d_ok, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
         if ON_PRODUCT:
-            bias = step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew,
-                                  bits_t >> (i_t * KV_T), bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W),
-                                  off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
+            bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
+                                  bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if SAFE_BITS:
-                visible = step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bits_t >> (i_t * KV_T),
-                                       bits_h >> (i_h * KV_H), bits_w >> (i_w * KV_W), off_t, off_h, off_w,
-                                       SAFE_T, SAFE_H, SAFE_W, BLOCK_Q, BLOCK_KV)
-            else:
-                visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h, off_w,
+                                       T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
+                                       MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, SAFE)
         # The row maximum of the scaled scores is taken on the raw ones (the scale's
         # sign picks max or min), so that scaling and subtracting it fuse into one
         # FMA per score.
@@ -271,13 +241,8 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
         else:
             p = tl.math.exp2(s * qk_scale - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA and not SAFE:
-            v = V_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
-        else:
-            offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_vt
-                    + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_vh
-                    + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_vw)
-            v = tl.load(v_base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = load_key_box(V_DESC, v_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_vt,
+                         stride_vh, stride_vw, d, d_ok, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
         if SAFE:
             v, _ = finite_part(v)
         acc = acc * alpha[:, None]
