@@ -88,7 +88,7 @@ def na3d_forward(
     use_tma = cfg.tma and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.kv_tile) for x in (k, v)] if use_tma else [k, v]
     args = (q, k, v, out, lse if lse is not None else out, *descs, flags,
-            *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5],
+            q.stride()[:5], k.stride()[:5], v.stride()[:5], out.stride()[:5],
             T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], n_tiles, NH, flags.numel(),
             scale * LOG2_E)
     constexprs = dict(
@@ -263,8 +263,7 @@ def na3d_backward(
     use_tma = cfg.tma and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.dq_kv_tile) for x in (k, v)] if use_tma else [k, v]
     args = (q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats, dq, *descs, flags,
-            *q.stride()[:5], *k.stride()[:5], *v.stride()[:5], *out.stride()[:5], *grad_out.stride()[:5],
-            *dq.stride()[:5],
+            q.stride()[:5], k.stride()[:5], v.stride()[:5], out.stride()[:5], grad_out.stride()[:5], dq.stride()[:5],
             T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], n_tiles, NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
@@ -301,7 +300,7 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
     n_tiles = tiles[0] * tiles[1] * tiles[2]
     kv_heads = NH // constexprs["GROUP"]
     flags = nonfinite_flags(n_tiles * kv_heads * B, strided[0].device)
-    args = (*buffers, flags, *(st for x in strided for st in x.stride()[:5]), *sizes, tiles[1], tiles[2], n_tiles,
+    args = (*buffers, flags, *(x.stride()[:5] for x in strided), *sizes, tiles[1], tiles[2], n_tiles,
             NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
@@ -339,7 +338,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
     na3d_bwd_delta_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
         out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats,
-        *out.stride()[:5], *grad_out.stride()[:5], T, H, W, tiles[1], tiles[2],
+        out.stride()[:5], grad_out.stride()[:5], T, H, W, tiles[1], tiles[2],
         HEAD_DIM=HD, BLOCK_D=common["BLOCK_D"], Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
     dq_acc = torch.zeros((B, T, H, W, NH, common["BLOCK_D"]), dtype=torch.float32, device=q.device)

@@ -66,12 +66,16 @@ def compile_for(kernel, target, constexprs, num_warps, num_stages, maxnreg=None)
                                if on else "*bf16")
         elif name in POINTERS:
             signature[name] = POINTERS[name]
+        elif name.endswith("_strides"):  # a tensor's (b, t, h, w, head) strides
+            signature[name] = ("i32",) * 5
         elif name in ("qk_scale", "scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if signature[name].startswith("*") or name.startswith("stride")}
+             if isinstance(signature[name], str) and signature[name].startswith("*")}
+    attrs.update({(i, j): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                  if name.endswith("_strides") for j in range(5)})
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:

@@ -48,29 +48,13 @@ def stats_index(batch, head, heads, t, h, w, T, H, W):
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
 def na3d_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, FLAGS,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w, n_tiles, heads, n_programs,
-    qk_scale, scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    GROUP: tl.constexpr,
-    CHECK: tl.constexpr,
-    REDO: tl.constexpr,
+    q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, n_tiles, heads, n_programs, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    GROUP: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
     (``GROUP``: query heads per key/value head). One program: dQ of a Q_T x Q_H x Q_W
@@ -82,38 +66,37 @@ def na3d_bwd_dq_kernel(
     score scales to -inf). ``FLAGS``, ``REDO``: as in the forward kernel.
 
     """
-    run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh,
-                 stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt,
-                 stride_vh, stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, stride_dob,
-                 stride_dot, stride_doh, stride_dow, stride_don, stride_dqb, stride_dqt, stride_dqh, stride_dqw,
-                 stride_dqn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D, Q_T,
-                 Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA, MASK_T, MASK_H,
-                 MASK_W, GROUP), FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
+    run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
+                           q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides,
+                           T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D,
+                           Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA,
+                           MASK_T, MASK_H, MASK_W, GROUP),
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
+
+
 
 @triton.jit
 def dq_tile(
-    tile, head, batch, heads,
-    Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn,
+    tile, head, batch, heads, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
+    q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides,
     T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr, SAFE: tl.constexpr,
-    CHECK: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
+    GROUP: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
     head (its keys and values: head ``head // GROUP``). Returns whether
     its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
     reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
     the marks are laid over it (``kernels.common``)."""
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on = o_strides
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don = do_strides
+    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn = dq_strides
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
@@ -238,29 +221,13 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
 def na3d_bwd_dkdv_kernel(
     Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, FLAGS,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w, n_tiles, heads, n_programs,
-    qk_scale, scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    BULK_DQ: tl.constexpr,
-    GROUP: tl.constexpr,
-    CHECK: tl.constexpr,
-    REDO: tl.constexpr,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, n_tiles, heads, n_programs, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
+    GROUP: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
     K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
@@ -289,28 +256,22 @@ def na3d_bwd_dkdv_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
-    run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, stride_qb,
-                 stride_qt, stride_qh, stride_qw, stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-                 stride_vb, stride_vt, stride_vh, stride_vw, stride_vn, stride_dob, stride_dot, stride_doh, stride_dow,
-                 stride_don, stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn, stride_dvb, stride_dvt,
-                 stride_dvh, stride_dvw, stride_dvn, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
-                 HEAD_DIM, BLOCK_D, K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
-                 ACCUMULATE_DQ, BULK_DQ, GROUP), FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
+    run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+                             q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+                             T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D,
+                             K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
+                             ACCUMULATE_DQ, BULK_DQ, GROUP),
+                 FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
+
+
 
 @triton.jit
 def dkdv_tile(
-    tile, head, batch, heads,
-    Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn,
-    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn,
+    tile, head, batch, heads, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
     T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
     SAFE: tl.constexpr, CHECK: tl.constexpr,
@@ -318,6 +279,12 @@ def dkdv_tile(
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned in turn. Returns (with ``CHECK``) which of its rows
     of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``)."""
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don = do_strides
+    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn = dk_strides
+    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn = dv_strides
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
@@ -505,19 +472,15 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w"])
 def na3d_bwd_delta_kernel(
-    O, DO, LSE, DLSE, STATS,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don,
-    T, H, W,
-    tiles_h, tiles_w,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
+    O, DO, LSE, DLSE, STATS, o_strides, do_strides, T, H, W, tiles_h, tiles_w,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
     """Grid: (query tiles, heads, batch). ``STATS`` (module docstring: lse in log2
     units and ``delta = rowsum(dO * O) - dlse``) for a box of queries, for the fused
     kernel."""
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on = o_strides
+    stride_dob, stride_dot, stride_doh, stride_dow, stride_don = do_strides
     head = tl.program_id(1)
     batch = tl.program_id(2)
     heads = tl.num_programs(1)

@@ -14,29 +14,14 @@ from .common import (box_of_program, box_offsets, finite_part, has_nonfinite,
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
 def na3d_fwd_kernel(
-    Q, K, V, O, LSE, K_DESC, V_DESC, FLAGS,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
-    T, H, W,
-    KT, KH, KW,
-    ST, SH, SW,
-    tiles_h, tiles_w, n_tiles, heads, n_programs,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-    STRIDED: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    SCALE_SIGN: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    GROUP: tl.constexpr,
-    CHECK: tl.constexpr,
-    REDO: tl.constexpr,
+    Q, K, V, O, LSE, K_DESC, V_DESC, FLAGS, q_strides, k_strides, v_strides, o_strides,
+    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, n_tiles, heads, n_programs, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+    STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
+    CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -81,29 +66,24 @@ def na3d_fwd_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
-    run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, stride_qb, stride_qt, stride_qh, stride_qw,
-                 stride_qn, stride_kb, stride_kt, stride_kh, stride_kw, stride_kn, stride_vb, stride_vt, stride_vh,
-                 stride_vw, stride_vn, stride_ob, stride_ot, stride_oh, stride_ow, stride_on, T, H, W, KT, KH, KW, ST,
-                 SH, SW, tiles_h, tiles_w, qk_scale, HEAD_DIM, BLOCK_D, Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T,
-                 CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP),
+    run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, q_strides, k_strides, v_strides, o_strides,
+                                T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, HEAD_DIM, BLOCK_D,
+                                Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE,
+                                SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
+
+
 
 @triton.jit
 def forward_tile(
-    tile, head, batch, heads,
-    Q, K, V, O, LSE, K_DESC, V_DESC,
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn,
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn,
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn,
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on,
+    tile, head, batch, heads, Q, K, V, O, LSE, K_DESC, V_DESC, q_strides, k_strides, v_strides, o_strides,
     T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
+    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr, SAFE: tl.constexpr,
-    CHECK: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
+    SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
@@ -111,6 +91,10 @@ def forward_tile(
     safe way (``kernels.common``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it."""
+    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
+    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
+    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
+    stride_ob, stride_ot, stride_oh, stride_ow, stride_on = o_strides
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
