@@ -30,10 +30,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, count_nonfinite, finite_part, has_nonfinite,
-                     key_scan_masks, key_scan_visible, load_rows, mark_reached_by_keys,
-                     mark_reached_by_queries, next_box, nonfinite_rows, queries_seeing, run_programs, seen_by,
-                     step_mask_bias, union_of_windows)
+from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, finite_part, has_nonfinite,
+                     key_scan_masks, key_scan_visible, load_rows, mark_reached_by_keys, mark_reached_by_queries,
+                     next_box, nonfinite_rows, queries_seeing, query_box, run_programs, sees, step_mask_bias)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -102,10 +101,8 @@ def dq_tile(
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
-    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
-    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
-    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
-    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
+    qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
+        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -167,9 +164,7 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
     too (a non-finite ``dP`` of a hidden key stays out), and multiplies ``dS`` by
     the keys' finite part; not pipelined."""
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
-    steps_h = tl.cdiv(uh1 - uh0, KV_H)
-    steps_w = tl.cdiv(uw1 - uw0, KV_W)
-    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
+    steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE
@@ -181,12 +176,8 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
     for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
-        c_t = ut0 + i_t * KV_T
-        c_h = uh0 + i_h * KV_H
-        c_w = uw0 + i_w * KV_W
-        kt = c_t + off_t
-        kh = c_h + off_h
-        kw = c_w + off_w
+        c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
+                                           KV_T, KV_H, KV_W)
         if USE_TMA and not SAFE:
             k = K_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
             v = V_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
@@ -388,9 +379,7 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     finite part, with NaN where a visible key is non-finite (the count only runs
     when the program's keys hold a non-finite element)."""
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
-    steps_h = tl.cdiv(qh1 - qh0, Q_H)
-    steps_w = tl.cdiv(qw1 - qw0, Q_W)
-    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
+    steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
     if ACCUMULATE_DQ:
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)
@@ -399,12 +388,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
     for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
-        c_t = qt0 + i_t * Q_T
-        c_h = qh0 + i_h * Q_H
-        c_w = qw0 + i_w * Q_W
-        qt = c_t + off_t
-        qh = c_h + off_h
-        qw = c_w + off_w
+        c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
+                                           Q_T, Q_H, Q_W)
         if USE_TMA and not SAFE:
             # Every query box through descriptors. Positions past the scanned range
             # inside the grid see none of the box's keys (the mask drops them); past
@@ -416,8 +401,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             lse2_pad, delta_pad = tl.split(stats)
             lse2, _ = tl.split(lse2_pad)
             delta, _ = tl.split(delta_pad)
-            visible = seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                              CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
             if ACCUMULATE_DQ and not BULK_DQ:
                 q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
                 rows = (((bh * T + qt) * H + qh) * W + qw) * heads + hd
@@ -435,8 +420,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
             lse2 = tl.load(stats)
             delta = tl.load(stats + 1)
-            visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                              CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+            visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
         if ACCUMULATE_DQ:
             # Keys past the grid's end (repeats of the last one) must not reach dQ.
             visible = visible & k_valid[:, None]

@@ -102,6 +102,42 @@ def box_offsets(BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
 
 
 @triton.jit
+def query_box(tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW,
+              CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+              Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr):
+    """A program over a box of queries (the forward, dQ): the box's positions
+    ``(qt, qh, qw)`` and which are in the grid (:func:`box_of_program`), and the
+    union of their windows, one box of keys ``[u0, u1)`` per axis (window ends never
+    decrease with the query index)."""
+    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
+    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
+    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
+    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
+    return qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1
+
+
+@triton.jit
+def box_steps(t0, t1, h0, h1, w0, w1, B_T: tl.constexpr, B_H: tl.constexpr, B_W: tl.constexpr):
+    """A row-major scan over ``[t0, t1) x [h0, h1) x [w0, w1)`` in boxes of
+    ``B_T x B_H x B_W``: ``(steps_h, steps_w, n_steps)``, boxes per row and slab
+    (:func:`next_box`) and in all."""
+    steps_h = tl.cdiv(h1 - h0, B_H)
+    steps_w = tl.cdiv(w1 - w0, B_W)
+    return steps_h, steps_w, tl.cdiv(t1 - t0, B_T) * steps_h * steps_w
+
+
+@triton.jit
+def box_at(i_t, i_h, i_w, t0, h0, w0, off_t, off_h, off_w, B_T: tl.constexpr, B_H: tl.constexpr,
+           B_W: tl.constexpr):
+    """Box ``(i_t, i_h, i_w)`` of that scan: its corner ``(c_t, c_h, c_w)`` and the
+    coordinates of its positions (``off_*``: :func:`box_offsets`)."""
+    c_t = t0 + i_t * B_T
+    c_h = h0 + i_h * B_H
+    c_w = w0 + i_w * B_W
+    return c_t, c_h, c_w, c_t + off_t, c_h + off_h, c_w + off_w
+
+
+@triton.jit
 def next_box(i_t, i_h, i_w, steps_h, steps_w):
     """One step of a row-major scan over boxes, ``steps_h`` x ``steps_w`` boxes per
     t slab: box indices ``(i_t, i_h, i_w)`` of the next box.
@@ -283,26 +319,22 @@ def load_key_box(DESC, base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1
 
 @triton.jit
 def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr):
-    """Boolean [queries, keys] matrix: query (qt, qh, qw)[i] sees key (kt, kh, kw)[j]."""
+         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+         KEYS_FIRST: tl.constexpr = False):
+    """Boolean [queries, keys] matrix: query (qt, qh, qw)[i] sees key (kt, kh, kw)[j];
+    with ``KEYS_FIRST`` its transpose, [keys, queries], built directly."""
     st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
     sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
     sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
-    return ((kt[None, :] >= st[:, None]) & (kt[None, :] < et[:, None])
-            & (kh[None, :] >= sh[:, None]) & (kh[None, :] < eh[:, None])
-            & (kw[None, :] >= sw[:, None]) & (kw[None, :] < ew[:, None]))
-
-
-@triton.jit
-def seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr):
-    """The transpose of :func:`sees`, built directly: [keys, queries]."""
-    st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
-    sh, eh = window_bounds(qh, H, KH, SH, CAUSAL_H, STRIDED)
-    sw, ew = window_bounds(qw, W, KW, SW, CAUSAL_W, STRIDED)
-    return ((kt[:, None] >= st[None, :]) & (kt[:, None] < et[None, :])
-            & (kh[:, None] >= sh[None, :]) & (kh[:, None] < eh[None, :])
-            & (kw[:, None] >= sw[None, :]) & (kw[:, None] < ew[None, :]))
+    if KEYS_FIRST:  # (one return: Triton wants one result type per function)
+        seen = ((kt[:, None] >= st[None, :]) & (kt[:, None] < et[None, :])
+                & (kh[:, None] >= sh[None, :]) & (kh[:, None] < eh[None, :])
+                & (kw[:, None] >= sw[None, :]) & (kw[:, None] < ew[None, :]))
+    else:
+        seen = ((kt[None, :] >= st[:, None]) & (kt[None, :] < et[:, None])
+                & (kh[None, :] >= sh[:, None]) & (kh[None, :] < eh[:, None])
+                & (kw[None, :] >= sw[:, None]) & (kw[None, :] < ew[:, None]))
+    return seen
 
 
 @triton.jit
@@ -443,9 +475,7 @@ def mark_reached_by_keys(OUT, out_rows, q_valid, src_base, stride_t, stride_h, s
     visible key's row reaches the element, 0 elsewhere. The program's scan over
     its union of windows, counting only, ``CHANNELS`` at a time so that it holds
     little, through pointers."""
-    steps_h = tl.cdiv(uh1 - uh0, KV_H)
-    steps_w = tl.cdiv(uw1 - uw0, KV_W)
-    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
+    steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
         cols = c0 + tl.arange(0, CHANNELS)
@@ -454,9 +484,8 @@ def mark_reached_by_keys(OUT, out_rows, q_valid, src_base, stride_t, stride_h, s
         i_h = tl.zeros([], tl.int32)
         i_w = tl.zeros([], tl.int32)
         for _ in tl.range(n_steps, num_stages=1):
-            kt = ut0 + i_t * KV_T + off_t
-            kh = uh0 + i_h * KV_H + off_h
-            kw = uw0 + i_w * KV_W + off_w
+            c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
+                                               KV_T, KV_H, KV_W)
             offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_t
                     + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_h
                     + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_w)
@@ -482,9 +511,7 @@ def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_n, stride_t
     final product takes one row of ``src`` per query (Q for dK, dO for dV): its
     scan over the queries ``[q0, q1)`` per axis that see its keys, of each of the
     ``GROUP`` query heads from ``src_base`` on (``stride_n`` apart)."""
-    steps_h = tl.cdiv(qh1 - qh0, Q_H)
-    steps_w = tl.cdiv(qw1 - qw0, Q_W)
-    n_steps = tl.cdiv(qt1 - qt0, Q_T) * steps_h * steps_w
+    steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
     off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
     for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
         cols = c0 + tl.arange(0, CHANNELS)
@@ -495,9 +522,8 @@ def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_n, stride_t
             i_h = tl.zeros([], tl.int32)
             i_w = tl.zeros([], tl.int32)
             for _ in tl.range(n_steps, num_stages=1):
-                qt = qt0 + i_t * Q_T + off_t
-                qh = qh0 + i_h * Q_H + off_h
-                qw = qw0 + i_w * Q_W + off_w
+                c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
+                                                   Q_T, Q_H, Q_W)
                 # Queries past the range (neighbours, or repeats of its last one) are
                 # left out: a duplicate would count twice.
                 q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
@@ -507,8 +533,8 @@ def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_n, stride_t
                 offs = qt.to(tl.int64) * stride_t + qh.to(tl.int64) * stride_h + qw.to(tl.int64) * stride_w
                 rows = tl.load(base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
                 _, ok = finite_part(rows)
-                visible = q_in[None, :] & seen_by(kt, kh, kw, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                                  CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+                visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
                 count = count_nonfinite(visible, ok, count)
                 i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
             base += stride_n

@@ -7,9 +7,8 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_of_program, box_offsets, finite_part, has_nonfinite,
-                     key_scan_masks, key_scan_visible, load_key_box, mark_reached_by_keys, next_box, run_programs,
-                     step_mask_bias, union_of_windows)
+from .common import (box_at, box_offsets, box_steps, finite_part, has_nonfinite, key_scan_masks, key_scan_visible,
+                     load_key_box, mark_reached_by_keys, next_box, query_box, run_programs, step_mask_bias)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -98,13 +97,8 @@ def forward_tile(
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
-    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
-
-    # The windows of the box's queries span one box of keys, [u0, u1) per axis
-    # (window ends never decrease with the query index).
-    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
-    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
-    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
+    qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
+        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -164,9 +158,7 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
     ``SAFE``: the safe loop (``kernels.common``): masks by selection, multiplies by
     the values' finite part; not pipelined, so that it adds no shared memory."""
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
-    steps_h = tl.cdiv(uh1 - uh0, KV_H)
-    steps_w = tl.cdiv(uw1 - uw0, KV_W)
-    n_steps = tl.cdiv(ut1 - ut0, KV_T) * steps_h * steps_w
+    steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
@@ -184,12 +176,8 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
     i_h = tl.zeros([], tl.int32)
     i_w = tl.zeros([], tl.int32)
     for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
-        c_t = ut0 + i_t * KV_T
-        c_h = uh0 + i_h * KV_H
-        c_w = uw0 + i_w * KV_W
-        kt = c_t + off_t
-        kh = c_h + off_h
-        kw = c_w + off_w
+        c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
+                                           KV_T, KV_H, KV_W)
         k = load_key_box(K_DESC, k_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_kt,
                          stride_kh, stride_kw, d, d_ok, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
         if ON_PRODUCT:
