@@ -1,5 +1,6 @@
-"""Public API: argument normalization, validation, and dilation and grouped-query
-attention composed from the base kernel (:func:`na3d.ops.dispatch` picks the path).
+"""Public API: argument normalization, validation, and dilation composed from the
+base kernel (:func:`na3d.ops.dispatch` picks the path; grouped-query attention runs
+inside the kernels).
 
 Every check runs before anything is launched; a bad argument raises ``ValueError``
 or ``TypeError`` naming the argument, its value and what is allowed.
