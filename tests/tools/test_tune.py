@@ -44,7 +44,7 @@ def test_forward_tuning_records_the_fastest_candidate(monkeypatch):
         return {tune.config_key(c): 0.5 if c is candidates[-1] else 1.0 for c in candidates}
 
     monkeypatch.setattr(tune, "measure", measure)
-    args = argparse.Namespace(launch=["4,2", "8,2"], top=2, maxnreg=None)
+    args = argparse.Namespace(launch=["4,2", "8,2"], top=2, maxnreg=None, pairs=None, tma_only=False)
     results = tune.tune_forward(entry, members, args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
     winner = seen[0][-1]
     assert len(seen) == len(members) and set(results) == {s["name"] for s in members}
@@ -67,7 +67,8 @@ def test_backward_tuning_picks_dq_then_dkdv(monkeypatch):
         return {tune.backward_key(c): fast if c is candidates[-1] else 1.0 for c in candidates}
 
     monkeypatch.setattr(tune, "measure_backward", measure_backward)
-    args = argparse.Namespace(bwd_launch=["4,1", "4,2"], top=2)
+    args = argparse.Namespace(bwd_launch=["4,1", "4,2"], top=2, pairs=None, dkdv_pairs=None, dkdv_launch=None,
+                              fused=False)
     results = tune.tune_backward(entry, members, "sm90", args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
     assert len(calls) == 2 * len(members)
     dq, dkdv = calls[0][-1], calls[-1][-1]

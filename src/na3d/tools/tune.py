@@ -241,7 +241,7 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     # Every member is measured with every candidate of the bucket, so the choice
     # compares like with like. The table's current config goes first.
     current = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]))
-    tiles = set(getattr(args, "pairs", None) or ())
+    tiles = set(args.pairs or ())
     if not tiles:
         for s in members:
             tiles.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
@@ -255,9 +255,9 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     caps = [c or None for c in args.maxnreg] if args.maxnreg else [entry.get("maxnreg")]
     candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", flag, cap,
                                         fixed_flag)
-                  for flag in ((tma,) if getattr(args, "tma_only", False) else (tma, not tma)) for cap in caps
+                  for flag in ((tma,) if args.tma_only else (tma, not tma)) for cap in caps
                   for fixed_flag in (fixed, not fixed)]
-    loads = (True,) if getattr(args, "tma_only", False) else (True, False)
+    loads = (True,) if args.tma_only else (True, False)
     candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap)
                    for qt, kt in sorted(tiles) for w, st in launches for flag in loads for cap in caps
                    if launch_fits(math.prod(qt), w)]
@@ -289,7 +289,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     """Two steps on the bucket's shapes: dQ tiles (dK/dV fixed), then dK/dV tiles."""
     names = [s["name"] for s in members]
     launches = [tuple(int(x) for x in s.split(",")) for s in args.bwd_launch]
-    dkdv_launches = [tuple(int(x) for x in s.split(",")) for s in (getattr(args, "dkdv_launch", None)
+    dkdv_launches = [tuple(int(x) for x in s.split(",")) for s in (args.dkdv_launch
                                                                    or args.bwd_launch)]
 
     def current_for(spec):
@@ -302,8 +302,8 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     pairs = set()
     for s in members:
         pairs.update(tile_candidates(tuple(s["shape"][1:4]), tuple(s["kernel_size"]), args.top))
-    dq_pairs = sorted(getattr(args, "pairs", None) or pairs)
-    dkdv_pairs = sorted(getattr(args, "dkdv_pairs", None) or pairs)
+    dq_pairs = sorted(args.pairs or pairs)
+    dkdv_pairs = sorted(args.dkdv_pairs or pairs)
     # The table's current backward, as it states it (unfitted; each shape fits it).
     bwd = entry.get("backward")
     if bwd is None:  # derived from the forward's tiles (configs.backward_config)
@@ -353,7 +353,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
     log(f"bucket {entry['bucket']} backward dQ: {choice} (geomean slowdown {slow:.3f})")
     step2, choice, slow, best = step("dK/dV", dkdv_now, lambda dkdv: as_config(dq_best, dkdv), dkdv_pairs,
                                       dkdv_launches,
-                                      (False, True) if getattr(args, "fused", False) else (False,))
+                                      (False, True) if args.fused else (False,))
     picked = json.loads(choice)
     before = backward_key(as_config(dq_now, dkdv_now))
     entry["backward"] = dict(picked, measured={
@@ -410,7 +410,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cuda")
     arch = configs.device_arch(torch.cuda.current_device())
     # Default: the LTX shapes; --shapes may name any, the video-DiT ones included.
-    specs = [s for s in bench_shapes("all") if (s["name"] in args.shapes if args.shapes else s in bench_shapes())]
+    specs = bench_shapes("all") if args.shapes else bench_shapes()
+    specs = [s for s in specs if not args.shapes or s["name"] in args.shapes]
     table = configs.load_table(arch)
     buckets = [dict(entry) for entry in table["forward"]]
     path = os.path.join(os.path.dirname(configs.__file__), "configs", f"{arch}.json")
