@@ -34,6 +34,8 @@ plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kern
 flags.update({f: v for f, v in (("CHECK", True), ("REDO", False)) if f in na3d_fwd_kernel.arg_names})
 # Multi-head attention (revisions with grouped-query attention in the kernels).
 flags.update({"GROUP": 1} if "GROUP" in na3d_fwd_kernel.arg_names else {})
+# No dilation (revisions with dilation in the kernels).
+flags.update({f: 1 for f in ("DIL_T", "DIL_H", "DIL_W") if f in na3d_fwd_kernel.arg_names})
 tgt = GPUTarget("cuda", 90, 32)
 res = {}
 for entry in t.configs_for("sm90"):

@@ -34,9 +34,9 @@ def host_us(fn, n=300):
 cases = {
     "fwd api": lambda: na3d.na3d(q, k, v, ks, scale=scale),
     "fwd launch": lambda: launch.na3d_forward(q, k, v, ks, scale),
-    "fwd op": lambda: torch.ops.na3d.forward(q, k, v, list(ks), scale, False, [False] * 3, [1] * 3),
+    "fwd op": lambda: torch.ops.na3d.forward(q, k, v, list(ks), scale, False, [False] * 3, [1] * 3, [1] * 3),
     "bwd autograd": lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
-    "bwd op": lambda: torch.ops.na3d.backward(do, q, k, v, o, lse, None, list(ks), scale, [False] * 3, [1] * 3),
+    "bwd op": lambda: torch.ops.na3d.backward(do, q, k, v, o, lse, None, list(ks), scale, [False] * 3, [1] * 3, [1] * 3),
     "bwd launch": lambda: launch.na3d_backward(do, q, k, v, o, lse, ks, scale),
 }
 

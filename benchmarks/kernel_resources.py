@@ -58,18 +58,20 @@ def resources(kernel, maxnreg, warps) -> dict:
             "loop_instructions": len(loop), "loop_spill_instructions": sum(("LDL" in t or "STL" in t) for t in loop)}
 
 
-def rows_for(name, shape, kernel_size):
+def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), pointers=False):
     from na3d import configs, geometry, launch
     from na3d.kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
     from na3d.kernels.forward import na3d_fwd_kernel
 
     B, T, H, W, NH, HD = shape
-    grid, target = (T, H, W), GPUTarget("cuda", 90, 32)
+    grid, target = launch.group_grid((T, H, W), dilation), GPUTarget("cuda", 90, 32)
     fwd = configs.forward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     bwd = configs.backward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
-    base = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), CAUSAL_T=False, CAUSAL_H=False,
-                CAUSAL_W=False, STRIDED=False, CHECK=True, REDO=False, GROUP=1, USE_TMA=fwd.tma and HD in (16, 32, 64, 128))
-    causal, stride = (False,) * 3, (1, 1, 1)
+    base = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), CAUSAL_T=causal[0], CAUSAL_H=causal[1],
+                CAUSAL_W=causal[2], STRIDED=False, CHECK=True, REDO=False, GROUP=1,
+                USE_TMA=fwd.tma and HD in (16, 32, 64, 128) and dilation == (1, 1, 1) and not pointers,
+                **launch.dilation_constexprs(dilation))
+    stride = (1, 1, 1)
     passes = [
         ("fwd", na3d_fwd_kernel, fwd.q_tile, fwd.kv_tile, fwd.num_warps, fwd.num_stages, fwd.maxnreg,
          dict(STORE_LSE=True, SCALE_SIGN=1, **launch.mask_modes(fwd.q_tile, fwd.kv_tile, kernel_size, causal, stride,
@@ -99,6 +101,11 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=6, metavar=("B", "T", "H", "W", "NH", "HD"))
     parser.add_argument("--kernel", type=int, nargs=3)
     parser.add_argument("--name", default="shape")
+    parser.add_argument("--causal", type=int, nargs=3, default=(0, 0, 0), metavar=("T", "H", "W"),
+                        help="causal axes (1: causal), e.g. --causal 1 0 0")
+    parser.add_argument("--dilation", type=int, nargs=3, default=(1, 1, 1), metavar=("T", "H", "W"),
+                        help="NATTEN's dilation (the kernels then load through pointers)")
+    parser.add_argument("--pointers", action="store_true", help="load through pointers where the table says TMA")
     args = parser.parse_args()
     if args.shape:
         specs = [{"name": args.name, "shape": args.shape, "kernel_size": args.kernel}]
@@ -110,7 +117,8 @@ def main() -> None:
             f" {'spill B':>7} {'smem':>7} {'per SM':>6} {'wgmma':>10} {'loop':>5} {'spill':>5}")
     print(head)
     for spec in specs:
-        for r in rows_for(spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])):
+        for r in rows_for(spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"]),
+                          tuple(bool(c) for c in args.causal), tuple(args.dilation), args.pointers):
             print(f"{r['name']:<18}{r['pass']:>5} {'x'.join(map(str, r['box'])):>10} "
                   f"{'x'.join(map(str, r['scanned'])):>10} {r['warps']:>5} {str(r['maxnreg'] or '-'):>4} "
                   f"{r['issued_per_useful']:>6} {r['registers']:>5} {r['spilled_bytes']:>7} {r['shared']:>7} "

@@ -20,13 +20,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_opcheck():
-    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=2)
+    q, k, v = make_qkv((1, 3, 6, 5, 2, 16), torch.float32, device=DEVICE, seed=2)
     for need_lse in (True, False):
         torch.library.opcheck(ops.forward, (q.clone().requires_grad_(), k, v, [3, 3, 3], 0.25, need_lse,
-                                             [False, True, False], [1, 2, 1]))
-    out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False], [1, 2, 1])
+                                             [False, True, False], [1, 2, 1], [1, 2, 1]))
+    out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False], [1, 2, 1], [1, 2, 1])
     torch.library.opcheck(ops.backward, (torch.randn_like(out), q, k, v, out, lse, None, [3, 3, 3], 0.25,
-                                         [False, True, False], [1, 2, 1]))
+                                         [False, True, False], [1, 2, 1], [1, 2, 1]))
 
 
 def test_eager_calls_skip_the_operator(monkeypatch):
@@ -47,7 +47,7 @@ def test_eager_calls_skip_the_operator(monkeypatch):
     torch.testing.assert_close(plain, with_grad.detach(), rtol=0, atol=0)
 
     op_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    op_out, _ = ops.forward(*op_leaves, [3, 3, 3], 16 ** -0.5, True, [False] * 3, [1] * 3)
+    op_out, _ = ops.forward(*op_leaves, [3, 3, 3], 16 ** -0.5, True, [False] * 3, [1] * 3, [1] * 3)
     op_grads = torch.autograd.grad(op_out, op_leaves, grad_out)
     assert calls == ["forward", "backward"]
     torch.testing.assert_close(with_grad.detach(), op_out.detach(), rtol=0, atol=0)

@@ -71,6 +71,25 @@ def test_sdpa_exact_rejects_w_offset_outside():
         reference.na3d_sdpa_exact(q[:, :, :, :3], k, v, (3, 3, 3), w_offset=3)
 
 
+@pytest.mark.parametrize("dilation,causal,stride", [((1, 2, 3), (False, True, False), (1, 1, 2)),
+                                                    ((2, 2, 2), (True, False, False), (1, 2, 1))])
+def test_sdpa_exact_dilation_equals_brute_force(dilation, causal, stride):
+    """Dilation groups of unequal lengths (7 frames by 2, 10 columns by 3), with lse."""
+    shape, kernel = (2, 7, 6, 10, 2, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float64, seed=sum(dilation))
+    features = dict(dilation=dilation, is_causal=causal, stride=stride)
+    got, got_lse = reference.na3d_sdpa_exact(q, k, v, kernel, return_lse=True, **features)
+    want, want_lse = na3d.na3d_brute_force(q, k, v, kernel, return_lse=True, **features)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_lse.double(), want_lse, rtol=0, atol=2e-6)  # (float32 lse)
+
+
+def test_sdpa_exact_dilation_needs_the_whole_grid():
+    q, k, v = make_qkv((1, 3, 4, 6, 1, 8), torch.float64)
+    with pytest.raises(ValueError, match="dilation"):
+        reference.na3d_sdpa_exact(q[:, :, :, :3], k, v, (3, 2, 3), dilation=(1, 2, 2))
+
+
 def test_budget_below_one_query_raises():
     q, k, v = make_qkv((1, 3, 3, 5, 1, 8), torch.float64)
     with pytest.raises(ValueError, match="memory_budget"):

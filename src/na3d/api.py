@@ -1,5 +1,5 @@
-"""Public API: argument normalization, validation, and dilation composed from the
-base kernel (:func:`na3d.ops.dispatch` picks the path; grouped-query attention runs
+"""Public API: argument normalization and validation (:func:`na3d.ops.dispatch`
+picks the path; grouped-query attention, causal axes, strides and dilation run
 inside the kernels).
 
 Every check runs before anything is launched; a bad argument raises ``ValueError``
@@ -14,7 +14,6 @@ Dispatch by device:
   (:func:`na3d.reference.na3d_sdpa_exact`), so results are right without a GPU.
 """
 
-import itertools
 import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
@@ -24,7 +23,7 @@ import torch
 
 from .merge import merge_attentions
 # The path a validated call takes (kernels, their operator, or the reference) is
-# chosen in ops; the composition below (dilation groups) calls it.
+# chosen in ops.
 from .ops import dispatch as _run
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -250,8 +249,8 @@ def na3d(
         # no query to attend to).
         return _empty_result(query, key, value, return_lse)
     if additional_keys is None:
-        return _dilated(query, key, value, ks, dil, causal, st, float(scale), return_lse, check)
-    out, lse = _dilated(query, key, value, ks, dil, causal, st, float(scale), True, check)
+        return _run(query, key, value, ks, causal, st, dil, float(scale), return_lse, check)
+    out, lse = _run(query, key, value, ks, causal, st, dil, float(scale), True, check)
     extra_out, extra_lse = _attend_additional(query, additional_keys, additional_values, float(scale))
     out, lse = merge_attentions([out, extra_out], [lse, extra_lse])
     return (out, lse) if return_lse else out
@@ -296,47 +295,6 @@ def _attend_additional(query, keys, values, scale: float, score_budget: int = 1 
         lses.append(lse.transpose(1, 2))
     out = torch.cat(outs, 1).reshape(B, T, H, W, NH, HD).to(query.dtype)
     return out, torch.cat(lses, 1).reshape(B, T, H, W, NH)
-
-
-def _dilated(q, k, v, kernel_size, dilation, causal, stride, scale: float, return_lse: bool, check: bool):
-    """Dilation by composition: NATTEN splits each axis into ``d`` groups by
-    ``index % d`` and runs dilation-1 neighborhood attention inside each group. A group
-    is a strided view (no copy); the groups' results are interleaved back. A causal
-    axis stays causal inside each group, and strides count group positions (NATTEN's
-    definitions)."""
-    if dilation == (1, 1, 1):
-        return _run(q, k, v, kernel_size, causal, stride, scale, return_lse, check)
-    dt, dh, dw = dilation
-    pieces = []
-    for gt, gh, gw in itertools.product(range(dt), range(dh), range(dw)):
-        view = (slice(None), slice(gt, None, dt), slice(gh, None, dh), slice(gw, None, dw))
-        pieces.append(_run(q[view], k[view], v[view], kernel_size, causal, stride, scale, return_lse, check))
-    if return_lse:
-        return (_interleave([p[0] for p in pieces], dilation, q.shape[1:4]),
-                _interleave([p[1] for p in pieces], dilation, q.shape[1:4]))
-    return _interleave(pieces, dilation, q.shape[1:4])
-
-
-def _interleave(pieces, dilation, spatial):
-    """Inverse of the dilation split: group (gt, gh, gw) holds positions ``g + d * i``.
-
-    Each group is padded at the end to ``ceil(L / d)`` along every axis, the groups
-    are stacked, and one permute + reshape puts position ``i * d + g`` in place; the
-    padding falls beyond ``L`` and is cut. Differentiable, one copy.
-    """
-    dt, dh, dw = dilation
-    full = [-(-L // d) for L, d in zip(spatial, dilation)]
-    padded = []
-    for x in pieces:
-        pad = []
-        for axis in (3, 2, 1):  # F.pad lists the last dimensions first
-            pad += [0, full[axis - 1] - x.shape[axis]]
-        padded.append(torch.nn.functional.pad(x, [0, 0] * (x.dim() - 4) + pad))
-    rest = padded[0].shape[4:]
-    stacked = torch.stack(padded).reshape(dt, dh, dw, padded[0].shape[0], *full, *rest)
-    order = [3, 4, 0, 5, 1, 6, 2] + list(range(7, 7 + len(rest)))
-    merged = stacked.permute(order).reshape(padded[0].shape[0], full[0] * dt, full[1] * dh, full[2] * dw, *rest)
-    return merged[:, :spatial[0], :spatial[1], :spatial[2]]
 
 
 def na3d_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntOrTuple,

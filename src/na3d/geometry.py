@@ -15,9 +15,10 @@ Definitions follow NATTEN (``natten/backends/flex.py``), per dimension of length
 * a 3-D neighborhood is the product of three such 1-D windows.
 
 Causal axes (NATTEN's definition: the ``K`` positions ending at the query, clipped
-at 0) and dilation are written here too. The Triton kernels implement dilation 1,
-causal or not per axis; the public API composes dilation from dilation-1 calls on
-strided views of each dilation group.
+at 0) and dilation are written here too. The Triton kernels compute every dilation
+group's windows at dilation 1 in the group's own coordinates (its positions
+``g + d * i`` renumbered ``i``), so their device copies need only the dilation-1
+formulas; the grid of groups is ``kernels/common.py``'s ``dilation_group``.
 """
 
 from __future__ import annotations

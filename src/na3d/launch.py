@@ -33,19 +33,40 @@ def _arch(device: torch.device) -> str:
     return configs.device_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _table_config(lookup, q: torch.Tensor, kernel_size: Sequence[int]):
+def _table_config(lookup, q: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int]):
     """``lookup`` (``configs.forward_config`` or ``backward_config``) for ``q``'s device,
-    grid, head dim and dtype."""
-    _, T, H, W, _, HD = q.shape
-    return lookup(_arch(q.device), (T, H, W), tuple(kernel_size), HD, q.dtype)
+    head dim and dtype, and the grid the kernels tile: with dilation, the largest
+    group's sub-grid (:func:`group_grid`)."""
+    HD = q.shape[-1]
+    return lookup(_arch(q.device), group_grid(q.shape[1:4], dilation), tuple(kernel_size), HD, q.dtype)
 
 
-def forward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.ForwardConfig:
-    return _table_config(configs.forward_config, q, kernel_size)
+def forward_config(q: torch.Tensor, kernel_size: Sequence[int],
+                   dilation: Sequence[int] = (1, 1, 1)) -> configs.ForwardConfig:
+    return _table_config(configs.forward_config, q, kernel_size, dilation)
 
 
-def backward_config(q: torch.Tensor, kernel_size: Sequence[int]) -> configs.BackwardConfig:
-    return _table_config(configs.backward_config, q, kernel_size)
+def backward_config(q: torch.Tensor, kernel_size: Sequence[int],
+                    dilation: Sequence[int] = (1, 1, 1)) -> configs.BackwardConfig:
+    return _table_config(configs.backward_config, q, kernel_size, dilation)
+
+
+def group_grid(spatial: Sequence[int], dilation: Sequence[int]) -> Tuple[int, int, int]:
+    """The largest dilation group's sub-grid, ``ceil(L / d)`` per axis (the grid
+    itself at dilation 1): the kernels tile every group as this one
+    (``kernels/common.py``, ``dilation_group``)."""
+    return tuple(-(-L // d) for L, d in zip(spatial, dilation))
+
+
+def tile_grid(spatial: Sequence[int], box: Sequence[int], dilation: Sequence[int]) -> Tuple[int, int, int]:
+    """``(tiles_h, tiles_w, n_tiles)`` of a kernel whose programs own ``box``: boxes per
+    row and per slab of :func:`group_grid`, and (box, dilation group) tiles in all."""
+    tiles = [math.ceil(L / b) for L, b in zip(group_grid(spatial, dilation), box)]
+    return tiles[1], tiles[2], tiles[0] * tiles[1] * tiles[2] * math.prod(dilation)
+
+
+def dilation_constexprs(dilation: Sequence[int]) -> dict:
+    return dict(DIL_T=int(dilation[0]), DIL_H=int(dilation[1]), DIL_W=int(dilation[2]))
 
 
 def na3d_forward(
@@ -60,11 +81,14 @@ def na3d_forward(
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
     check_nonfinite: bool = True,
+    dilation: Sequence[int] = (1, 1, 1),
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the forward kernel on validated ``(B, T, H, W, NH, HD)`` inputs.
 
     ``is_causal`` (per axis T, H, W) selects causal windows along that axis;
-    ``stride`` NATTEN's window-sharing stride per axis. ``check_nonfinite``: the
+    ``stride`` NATTEN's window-sharing stride per axis; ``dilation`` NATTEN's
+    dilation per axis (every dilation group in the one launch; key and value boxes
+    then load through pointers, not descriptors). ``check_nonfinite``: the
     kernel checks its tiles and a second kernel recomputes those with an inf or
     NaN so that it stays inside its windows (kernels/common.py); False skips both
     (inputs known to be finite).
@@ -78,18 +102,17 @@ def na3d_forward(
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
     group = NH // k.shape[4]  # query heads per key/value head
-    cfg = config or forward_config(q, kernel_size)
+    cfg = config or forward_config(q, kernel_size, dilation)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
-    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.q_tile)]
-    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.q_tile, dilation)
     flags = nonfinite_flags(n_tiles * NH * B, q.device)
-    use_tma = cfg.tma and tma_layout_ok(k, v)
+    use_tma = cfg.tma and math.prod(dilation) == 1 and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.kv_tile) for x in (k, v)] if use_tma else [k, v]
     args = (q, k, v, out, lse if lse is not None else out, *descs, flags,
             q.stride()[:5], k.stride()[:5], v.stride()[:5], out.stride()[:5],
-            T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], n_tiles, NH, flags.numel(),
+            T, H, W, KT, KH, KW, *stride, tiles_h, tiles_w, n_tiles, NH, flags.numel(),
             scale * LOG2_E)
     constexprs = dict(
         HEAD_DIM=HD,
@@ -102,7 +125,9 @@ def na3d_forward(
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
         GROUP=group,
-        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask, (T, H, W)))
+        **dilation_constexprs(dilation),
+        **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask,
+                     group_grid((T, H, W), dilation)))
     na3d_fwd_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                       **configs.maxnreg_option(cfg.maxnreg))
@@ -218,6 +243,7 @@ def na3d_backward(
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
     check_nonfinite: bool = True,
+    dilation: Sequence[int] = (1, 1, 1),
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the forward's ``out`` and natural-log ``lse`` (float32, contiguous).
 
@@ -230,14 +256,15 @@ def na3d_backward(
     and ``delta = rowsum(dO * O) - dlse``, then dK/dV); or fused, the statistics
     then one pass that adds dQ atomically into a float32 buffer. Under
     ``torch.use_deterministic_algorithms(True)`` the deterministic kernels run
-    whatever the config says. ``check_nonfinite``: as in :func:`na3d_forward`.
+    whatever the config says. ``check_nonfinite``, ``dilation``: as in
+    :func:`na3d_forward`.
     """
     from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
 
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
     group = NH // k.shape[4]  # query heads per key/value head
-    cfg = config or backward_config(q, kernel_size)
+    cfg = config or backward_config(q, kernel_size, dilation)
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq, dk, dv = grads
@@ -251,27 +278,27 @@ def na3d_backward(
     grad_lse = grad_lse.contiguous().float() if grad_lse is not None else None
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
                   CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
-                  STRIDED=any(s != 1 for s in stride), GROUP=group)
+                  STRIDED=any(s != 1 for s in stride), GROUP=group, **dilation_constexprs(dilation))
+    dilated = math.prod(dilation) > 1
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
-        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg,
-                        common, check_nonfinite)
+        _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, dilation, scale,
+                        cfg, common, check_nonfinite)
         return dq, dk, dv
-    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
-    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.dq_q_tile, dilation)
     flags = nonfinite_flags(n_tiles * NH * B, q.device)
-    use_tma = cfg.tma and tma_layout_ok(k, v)
+    use_tma = cfg.tma and not dilated and tma_layout_ok(k, v)
     descs = [tensor_descriptor(x, cfg.dq_kv_tile) for x in (k, v)] if use_tma else [k, v]
     args = (q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats, dq, *descs, flags,
             q.stride()[:5], k.stride()[:5], v.stride()[:5], out.stride()[:5], grad_out.stride()[:5], dq.stride()[:5],
-            T, H, W, KT, KH, KW, *stride, tiles[1], tiles[2], n_tiles, NH, flags.numel(), scale * LOG2_E, scale)
+            T, H, W, KT, KH, KW, *stride, tiles_h, tiles_w, n_tiles, NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         KV_T=cfg.dq_kv_tile[0], KV_H=cfg.dq_kv_tile[1], KV_W=cfg.dq_kv_tile[2],
         HAS_DLSE=grad_lse is not None, USE_TMA=use_tma,
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
-                     (T, H, W)), **common)
+                     group_grid((T, H, W), dilation)), **common)
     na3d_bwd_dq_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
                                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                          **configs.maxnreg_option(cfg.dq_maxnreg))
@@ -279,10 +306,9 @@ def na3d_backward(
         na3d_bwd_dq_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.num_warps,
                                              num_stages=1)
 
-    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
-    use_tma = cfg.tma and tma_layout_ok(q, grad_out)
+    use_tma = cfg.tma and not dilated and tma_layout_ok(q, grad_out)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out]
-    dkdv_launch(na3d_bwd_dkdv_kernel, tiles, NH, B, cfg,
+    dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
                  statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats),
                 (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
@@ -293,14 +319,15 @@ def na3d_backward(
 def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
                 sizes, scale: float, constexprs: dict, check_nonfinite: bool) -> None:
     """The dK/dV kernel on its grid, then its second launch (kernels/common.py).
-    ``NH``: query heads; the grid runs over key/value heads, ``NH // GROUP``
-    (``constexprs``). ``buffers``: the tensors and descriptors before the flags; ``strided``: the
-    tensors whose strides follow (q, k, v, dO, dK, dV); ``sizes``: the grid and
-    window sizes (T, H, W, KT, KH, KW, ST, SH, SW)."""
-    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    ``tiles``: :func:`tile_grid` of the key boxes. ``NH``: query heads; the grid runs
+    over key/value heads, ``NH // GROUP`` (``constexprs``). ``buffers``: the tensors
+    and descriptors before the flags; ``strided``: the tensors whose strides follow
+    (q, k, v, dO, dK, dV); ``sizes``: the grid and window sizes (T, H, W, KT, KH, KW,
+    ST, SH, SW)."""
+    tiles_h, tiles_w, n_tiles = tiles
     kv_heads = NH // constexprs["GROUP"]
     flags = nonfinite_flags(n_tiles * kv_heads * B, strided[0].device)
-    args = (*buffers, flags, *(x.stride()[:5] for x in strided), *sizes, tiles[1], tiles[2], n_tiles,
+    args = (*buffers, flags, *(x.stride()[:5] for x in strided), *sizes, tiles_h, tiles_w, n_tiles,
             NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
@@ -326,8 +353,8 @@ def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int]):
     return TensorDescriptor(stats, [B * NH, T, H, W, 4], [T * H * W * 4, H * W * 4, W * 4, 4, 1], [1, *q_box, 4])
 
 
-def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, scale, cfg, common,
-                    check_nonfinite):
+def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, dilation, scale, cfg,
+                    common, check_nonfinite):
     """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
     from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
@@ -335,21 +362,21 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
     dq, dk, dv = grads
-    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dq_q_tile)]
-    na3d_bwd_delta_kernel[(tiles[0] * tiles[1] * tiles[2], NH, B)](
+    # The statistics of every position, in full-grid order whatever the dilation.
+    tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.dq_q_tile, (1, 1, 1))
+    na3d_bwd_delta_kernel[(n_tiles, NH, B)](
         out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats,
-        out.stride()[:5], grad_out.stride()[:5], T, H, W, tiles[1], tiles[2],
+        out.stride()[:5], grad_out.stride()[:5], T, H, W, tiles_h, tiles_w,
         HEAD_DIM=HD, BLOCK_D=common["BLOCK_D"], Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
     dq_acc = torch.zeros((B, T, H, W, NH, common["BLOCK_D"]), dtype=torch.float32, device=q.device)
-    tiles = [math.ceil(L / t) for L, t in zip((T, H, W), cfg.dkdv_k_tile)]
-    use_tma = cfg.tma and tma_layout_ok(q, grad_out)
+    use_tma = cfg.tma and math.prod(dilation) == 1 and tma_layout_ok(q, grad_out)
     # The interpreter has no bulk reductions: it adds dQ per element.
     bulk_dq = use_tma and not kernels_interpreted()
     descs = ([tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out])
     descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile) if bulk_dq else dq_acc)
     descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats)
-    dkdv_launch(na3d_bwd_dkdv_kernel, tiles, NH, B, cfg,
+    dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
                 (T, H, W, KT, KH, KW, *stride), scale,
                 dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), check_nonfinite)

@@ -32,18 +32,18 @@ from . import launch, reference
 
 @torch.library.custom_op("na3d::forward", mutates_args=(), device_types=("cuda", "cpu"))
 def forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: List[int], scale: float,
-            need_lse: bool, is_causal: List[bool], stride: List[int],
+            need_lse: bool, is_causal: List[bool], stride: List[int], dilation: List[int],
             check_nonfinite: bool = True) -> Tuple[Tensor, Tensor]:
     """Returns ``(out, lse)``; ``lse`` is empty unless ``need_lse``."""
     out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, need_lse=need_lse, is_causal=is_causal,
-                                   stride=stride, check_nonfinite=check_nonfinite)
+                                   stride=stride, check_nonfinite=check_nonfinite, dilation=dilation)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
 
 
 @forward.register_fake
-def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride, check_nonfinite=True):
+def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride, dilation, check_nonfinite=True):
     lse_shape = q.shape[:-1] if need_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -51,22 +51,23 @@ def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride, chec
 @torch.library.custom_op("na3d::backward", mutates_args=(), device_types=("cuda", "cpu"))
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              grad_lse: Optional[Tensor], kernel_size: List[int], scale: float,
-             is_causal: List[bool], stride: List[int],
+             is_causal: List[bool], stride: List[int], dilation: List[int],
              check_nonfinite: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dq, dk, dv)`` given the gradients of ``out`` and (optionally) ``lse``."""
     dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
-                                      is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite)
+                                      is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite,
+                                      dilation=dilation)
     return dq, dk, dv
 
 
 @backward.register_fake
-def _backward_fake(grad_out, q, k, v, out, lse, grad_lse, kernel_size, scale, is_causal, stride,
+def _backward_fake(grad_out, q, k, v, out, lse, grad_lse, kernel_size, scale, is_causal, stride, dilation,
                    check_nonfinite=True):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kernel_size, scale, need_lse, is_causal, stride, check_nonfinite = inputs
+    q, k, v, kernel_size, scale, need_lse, is_causal, stride, dilation, check_nonfinite = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.kernel_size = kernel_size
@@ -74,6 +75,7 @@ def _setup_context(ctx, inputs, output):
     ctx.have_lse = need_lse
     ctx.is_causal = is_causal
     ctx.stride = stride
+    ctx.dilation = dilation
     ctx.check_nonfinite = check_nonfinite
 
 
@@ -84,13 +86,13 @@ def _backward(ctx, grad_out, grad_lse):
     if not ctx.have_lse:
         # Called directly without the log-sum-exp (the public API asks for it whenever
         # a gradient can flow): recompute it rather than fail.
-        out, lse = forward(q, k, v, ctx.kernel_size, ctx.scale, True, ctx.is_causal, ctx.stride,
+        out, lse = forward(q, k, v, ctx.kernel_size, ctx.scale, True, ctx.is_causal, ctx.stride, ctx.dilation,
                            ctx.check_nonfinite)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse, ctx.kernel_size, ctx.scale, ctx.is_causal,
-                          ctx.stride, ctx.check_nonfinite)
-    return dq, dk, dv, None, None, None, None, None, None
+                          ctx.stride, ctx.dilation, ctx.check_nonfinite)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -116,18 +118,18 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel_size, scale, is_causal, stride, check_nonfinite):
+    def forward(ctx, q, k, v, kernel_size, scale, is_causal, stride, dilation, check_nonfinite):
         out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, need_lse=True, is_causal=is_causal,
-                                       stride=stride, check_nonfinite=check_nonfinite)
+                                       stride=stride, check_nonfinite=check_nonfinite, dilation=dilation)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel_size, scale, is_causal, stride, check_nonfinite)
+        ctx.args = (kernel_size, scale, is_causal, stride, dilation, check_nonfinite)
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel_size, scale, is_causal, stride, check_nonfinite = ctx.args
+        kernel_size, scale, is_causal, stride, dilation, check_nonfinite = ctx.args
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled():
@@ -135,19 +137,21 @@ class EagerAttention(torch.autograd.Function):
             # differentiated again (there is no double backward) instead of silently
             # contributing no second-order terms.
             return (*backward(grad_out, q, k, v, out, lse, grad_lse, list(kernel_size), scale, list(is_causal),
-                              list(stride), check_nonfinite), None, None, None, None, None)
+                              list(stride), list(dilation), check_nonfinite), None, None, None, None, None, None)
         dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
-                                          is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite)
-        return dq, dk, dv, None, None, None, None, None
+                                          is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite,
+                                          dilation=dilation)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[int], causal: Sequence[bool],
-             stride: Sequence[int], scale: float, return_lse: bool,
+             stride: Sequence[int], dilation: Sequence[int], scale: float, return_lse: bool,
              check_nonfinite: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention on validated ``(B, T, H, W, NH, HD)`` queries and ``(B, T, H, W, NKV,
     HD)`` keys and values (``NKV`` divides ``NH``: query head ``n`` reads key/value
-    head ``n // (NH // NKV)``) with dilation 1, by the path that suits the call:
-    ``out``, or ``(out, lse)`` with ``return_lse``.
+    head ``n // (NH // NKV)``), by the path that suits the call: ``out``, or
+    ``(out, lse)`` with ``return_lse``. Grouped heads, causal axes, strides and
+    dilation run inside the kernels, one launch per kernel.
 
     CUDA tensors, and CPU tensors when the kernels run in the Triton interpreter, run
     the Triton kernels: an eager call without a gradient through the launcher, an
@@ -164,20 +168,21 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
             # checks, autograd and fake-tensor plumbing) costs tens of microseconds
             # per call, as much as a small problem's kernel.
             out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
-                                           is_causal=causal, stride=stride, check_nonfinite=check_nonfinite)
+                                           is_causal=causal, stride=stride, check_nonfinite=check_nonfinite,
+                                           dilation=dilation)
             return (out, lse) if return_lse else out
         if eager(query, key, value):
             # Training, eager: autograd without the operator's dispatch (see EagerAttention).
             out, lse = EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
-                                            tuple(stride), check_nonfinite)
+                                            tuple(stride), tuple(dilation), check_nonfinite)
             return (out, lse) if return_lse else out
         # Traced (torch.compile): the operator. The log-sum-exp is saved for the
         # backward only when a gradient can flow.
         out, lse = forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
-                           list(causal), list(stride), check_nonfinite)
+                           list(causal), list(stride), list(dilation), check_nonfinite)
         return (out, lse) if return_lse else out
     if key.shape[4] != query.shape[4]:  # the reference takes one key/value head per query head
         shape = (*key.shape[:4], key.shape[4], query.shape[4] // key.shape[4], key.shape[5])
         key, value = (x.unsqueeze(5).expand(shape).flatten(4, 5) for x in (key, value))
     return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
-                                     is_causal=causal, stride=stride)
+                                     is_causal=causal, stride=stride, dilation=dilation)

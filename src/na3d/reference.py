@@ -66,6 +66,9 @@ def na3d_brute_force(
             ``None`` keeps q's dtype ("the same math at that precision").
         return_lse: also return the natural-log log-sum-exp.
         stride: ``(sT, sH, sW)``, each ``1 <= s <= K``.
+        dilation: ``(dT, dH, dW)``, each ``K * d <= size``: every dilation group
+            (positions ``g + d * i``) computed on its own as a strided view, the
+            results interleaved back (``w_offset`` must then be 0).
 
     Returns:
         The output in q's dtype; with ``return_lse``, ``(out, lse)``, ``lse``
@@ -259,6 +262,7 @@ def na3d_sdpa_exact(
     return_lse: bool = False,
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
+    dilation: Sequence[int] = (1, 1, 1),
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact neighborhood attention from grouped ``F.scaled_dot_product_attention`` calls.
 
@@ -287,6 +291,9 @@ def na3d_sdpa_exact(
             for it).
         is_causal: three bools, ``(T, H, W)`` order.
         stride: ``(sT, sH, sW)``, each ``1 <= s <= K``.
+        dilation: ``(dT, dH, dW)``, each ``K * d <= size``: every dilation group
+            (positions ``g + d * i``) computed on its own as a strided view, the
+            results interleaved back (``w_offset`` must then be 0).
 
     Returns:
         The output ``(B, T, H, Wq, NH, HD)`` in q's dtype, or ``(out, lse)``.
@@ -314,6 +321,14 @@ def na3d_sdpa_exact(
     W = k.shape[3]
     if not 0 <= w_offset <= W - Wq:
         raise ValueError(f"w_offset={w_offset} must place the {Wq} query columns inside W={W}")
+    dilation = tuple(int(d) for d in dilation)
+    if dilation != (1, 1, 1):
+        if w_offset != 0 or Wq != W:
+            raise ValueError(f"dilation={dilation} needs the whole grid of queries (w_offset=0, Wq=W); got "
+                             f"w_offset={w_offset}, Wq={Wq}, W={W}")
+        return _by_dilation_groups(functools.partial(
+            na3d_sdpa_exact, kernel_size=kernel_size, scale=scale, memory_budget=memory_budget, return_lse=return_lse,
+            is_causal=is_causal, stride=stride), q, k, v, dilation, return_lse)
     scale = HD ** -0.5 if scale is None else scale
     shape = (T, H, W)
     kernel_size = tuple(int(x) for x in kernel_size)
@@ -371,6 +386,43 @@ def na3d_sdpa_exact(
         out = _join_boxes(pieces)
         lse = _join_boxes(lse_pieces) if return_lse else None
     return (out, lse) if return_lse else out
+
+
+def _by_dilation_groups(attention, q, k, v, dilation: Triple, return_lse: bool):
+    """NATTEN's dilation by composition: each axis splits into ``d`` groups by
+    ``index % d``; ``attention(q, k, v)`` at dilation 1 runs on each group as a
+    strided view (no copy), and the groups' results are interleaved back. A causal
+    axis stays causal inside each group, and strides count group positions."""
+    pieces = []
+    for gt, gh, gw in itertools.product(*(range(d) for d in dilation)):
+        view = (slice(None), slice(gt, None, dilation[0]), slice(gh, None, dilation[1]), slice(gw, None, dilation[2]))
+        pieces.append(attention(q[view], k[view], v[view]))
+    if return_lse:
+        return (_interleave([p[0] for p in pieces], dilation, q.shape[1:4]),
+                _interleave([p[1] for p in pieces], dilation, q.shape[1:4]))
+    return _interleave(pieces, dilation, q.shape[1:4])
+
+
+def _interleave(pieces, dilation: Triple, spatial):
+    """Inverse of the dilation split: group (gt, gh, gw) holds positions ``g + d * i``.
+
+    Each group is padded at the end to ``ceil(L / d)`` along every axis, the groups
+    are stacked, and one permute + reshape puts position ``i * d + g`` in place; the
+    padding falls beyond ``L`` and is cut. Differentiable, one copy.
+    """
+    dt, dh, dw = dilation
+    full = [-(-L // d) for L, d in zip(spatial, dilation)]
+    padded = []
+    for x in pieces:
+        pad = []
+        for axis in (3, 2, 1):  # F.pad lists the last dimensions first
+            pad += [0, full[axis - 1] - x.shape[axis]]
+        padded.append(F.pad(x, [0, 0] * (x.dim() - 4) + pad))
+    rest = padded[0].shape[4:]
+    stacked = torch.stack(padded).reshape(dt, dh, dw, padded[0].shape[0], *full, *rest)
+    order = [3, 4, 0, 5, 1, 6, 2] + list(range(7, 7 + len(rest)))
+    merged = stacked.permute(order).reshape(padded[0].shape[0], full[0] * dt, full[1] * dh, full[2] * dw, *rest)
+    return merged[:, :spatial[0], :spatial[1], :spatial[2]]
 
 
 def _join_boxes(pieces: Dict[tuple, torch.Tensor]) -> torch.Tensor:

@@ -115,6 +115,9 @@ def configs_for(arch):
 CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True), (True, True, False)]
 # Window-mask modes per axis (launch.mask_modes: 0 per step, 1 window bits, 2 once per program).
 MASK_CYCLE = [(1, 1, 2), (2, 2, 0), (0, 2, 2), (2, 2, 2), (2, 1, 1)]
+# Dilations, cycled over the configurations on the pointer path (dilated calls do
+# not use descriptors).
+DILATION_CYCLE = [(1, 2, 2), (1, 1, 1), (2, 2, 2), (3, 1, 2)]
 
 
 def product_instruction(arch, rows, warps):
@@ -148,12 +151,14 @@ def compile_all(arch, first_only=False):
         # Every third configuration with two query heads per key/value head (GQA).
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
                     STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1)
+        dilated = dict(zip(("DIL_T", "DIL_H", "DIL_W"), DILATION_CYCLE[i % len(DILATION_CYCLE)]))
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
             # The plain per-step mask and a cycling choice of modes, alternately (every
             # table has several configurations, so each target compiles both).
             modes = (0, 0, 0) if (i + use_tma) % 2 == 0 else MASK_CYCLE[i % len(MASK_CYCLE)]
-            flags = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes))
+            flags = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes),
+                         **(dict(DIL_T=1, DIL_H=1, DIL_W=1) if use_tma else dilated))
             fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, STORE_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
                                                                  USE_TMA=use_tma, CHECK=True, REDO=False, **tiles, **flags),
                                    warps, stages, cap), "forward")
@@ -181,29 +186,30 @@ def compile_all(arch, first_only=False):
             # As the forward: the plain mask and the cycle of modes, alternately.
             modes = (0, 0, 0) if (i + use_tma) % 2 == 1 else MASK_CYCLE[i % len(MASK_CYCLE)]
             modes = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes))
+            dil = dict(DIL_T=1, DIL_H=1, DIL_W=1) if use_tma else dilated
             dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, CHECK=True, REDO=False, **tiles,
-                                                                   **modes),
+                                                                   **modes, **dil),
                                   dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
             dkdv = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                     dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, CHECK=True, REDO=False,
-                                         **dual),
+                                         **dual, **dil),
                                     dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
             fused = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                      dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, CHECK=True, REDO=False,
-                                          **dual),
+                                          **dual, **dil),
                                      dkdv_warps, dkdv_stages, dkdv_cap), "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma == (arch == "sm90"):
                 fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, CHECK=False,
-                                                                  REDO=True, **tiles, **modes), dq_warps, 1),
+                                                                  REDO=True, **tiles, **modes, **dil), dq_warps, 1),
                      "dQ's second launch")
                 fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                  dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, CHECK=False,
-                                      REDO=True, **dual), dkdv_warps, 1), "dK/dV's second launch")
+                                      REDO=True, **dual, **dil), dkdv_warps, 1), "dK/dV's second launch")
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"

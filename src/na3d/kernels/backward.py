@@ -30,17 +30,20 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, finite_part, has_nonfinite,
-                     key_scan_masks, key_scan_visible, load_rows, mark_reached_by_keys, mark_reached_by_queries,
-                     next_box, nonfinite_rows, queries_seeing, query_box, run_programs, sees, step_mask_bias)
+from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, dilation_group, finite_part,
+                     grid_position, group_view, has_nonfinite, key_scan_masks, key_scan_visible, load_rows,
+                     mark_reached_by_keys, mark_reached_by_queries, next_box, nonfinite_rows, position_rows,
+                     queries_seeing, query_box, run_programs, sees, step_mask_bias)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def stats_index(batch, head, heads, t, h, w, T, H, W):
+def stats_index(batch, head, heads, t, h, w, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
     """Element index (int64) of the lse of positions ``(t, h, w)`` of one (batch,
-    head) in ``STATS``; their delta is the next element."""
+    head) in ``STATS``, positions of the dilation group ``place``
+    (``kernels.common.dilation_group``); their delta is the next element."""
+    T, H, W, t, h, w = grid_position(t, h, w, place, DIL_T, DIL_H, DIL_W)
     return ((((batch.to(tl.int64) * heads + head) * T + t) * H + h) * W + w) * 4
 
 
@@ -53,7 +56,8 @@ def na3d_bwd_dq_kernel(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    GROUP: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr,
+    GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
     (``GROUP``: query heads per key/value head). One program: dQ of a Q_T x Q_H x Q_W
@@ -62,14 +66,15 @@ def na3d_bwd_dq_kernel(
     runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
     picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
-    score scales to -inf). ``FLAGS``, ``REDO``: as in the forward kernel.
+    score scales to -inf). ``FLAGS``, ``REDO``, ``DIL_T/H/W``: as in the forward
+    kernel (``STATS`` stays in full-grid order).
 
     """
     run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
                            q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides,
                            T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D,
                            Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA,
-                           MASK_T, MASK_H, MASK_W, GROUP),
+                           MASK_T, MASK_H, MASK_W, GROUP, DIL_T, DIL_H, DIL_W),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
 
 
@@ -83,13 +88,23 @@ def dq_tile(
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    GROUP: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
     head (its keys and values: head ``head // GROUP``). Returns whether
     its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
     reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
-    the marks are laid over it (``kernels.common``)."""
+    the marks are laid over it (``kernels.common``). Dilated: as the forward's tile."""
+    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
+    tl.static_assert(not (DILATED and USE_TMA), "a dilation group's keys are not a box of the tensor")
+    tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
+    Q, q_strides = group_view(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
+    K, k_strides = group_view(K, k_strides, place, DIL_T, DIL_H, DIL_W)
+    V, v_strides = group_view(V, v_strides, place, DIL_T, DIL_H, DIL_W)
+    O, o_strides = group_view(O, o_strides, place, DIL_T, DIL_H, DIL_W)
+    DO, do_strides = group_view(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
+    DQ, dq_strides = group_view(DQ, dq_strides, place, DIL_T, DIL_H, DIL_W)
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
@@ -102,7 +117,8 @@ def dq_tile(
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
     qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
-        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W)
+        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W,
+        DILATED)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -113,13 +129,13 @@ def dq_tile(
     do = load_rows(DO + bh * stride_dob + hd * stride_don,
                    pos_t, pos_h, pos_w, stride_dot, stride_doh, stride_dow, d, d_ok)
     o = load_rows(O + bh * stride_ob + hd * stride_on, pos_t, pos_h, pos_w, stride_ot, stride_oh, stride_ow, d, d_ok)
-    rows = (((bh * T + pos_t) * H + pos_h) * W + pos_w) * heads + hd
+    rows = position_rows(bh, hd, heads, pos_t, pos_h, pos_w, place, DIL_T, DIL_H, DIL_W)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
     lse2 = tl.load(LSE + rows) * LOG2_E
     if not SAFE:  # (the safe way would store the same statistics again)
-        stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+        stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
         tl.store(stats, lse2, mask=q_valid)
         tl.store(stats + 1, delta, mask=q_valid)
 
@@ -218,7 +234,8 @@ def na3d_bwd_dkdv_kernel(
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
-    GROUP: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr,
+    GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
     K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
@@ -240,7 +257,8 @@ def na3d_bwd_dkdv_kernel(
     box) instead of an atomic per element; rows of queries outside the scanned
     range add exact zeros (their ``dS`` is masked to 0). ``FLAGS``, ``REDO``: as in the
     forward kernel; the second launch adds no dQ terms (the fused kernel adds them
-    the safe way on every step).
+    the safe way on every step). ``DIL_T/H/W``: as in the forward kernel, key tiles
+    for query tiles (``DQ_ACC`` and ``STATS`` stay in full-grid order).
 
     ``REDO``: the second launch, on a grid (G,), any G: the programs the first
     launch flagged are computed again the safe way (``kernels.common``), each by
@@ -251,7 +269,7 @@ def na3d_bwd_dkdv_kernel(
                              q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
                              T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D,
                              K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
-                             ACCUMULATE_DQ, BULK_DQ, GROUP),
+                             ACCUMULATE_DQ, BULK_DQ, GROUP, DIL_T, DIL_H, DIL_W),
                  FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
 
 
@@ -265,11 +283,21 @@ def dkdv_tile(
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
-    SAFE: tl.constexpr, CHECK: tl.constexpr,
+    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned in turn. Returns (with ``CHECK``) which of its rows
-    of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``)."""
+    of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
+    Dilated: as the forward's tile, over a box of keys."""
+    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
+    tl.static_assert(not (DILATED and USE_TMA), "a dilation group's queries are not a box of the tensor")
+    tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
+    Q, q_strides = group_view(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
+    K, k_strides = group_view(K, k_strides, place, DIL_T, DIL_H, DIL_W)
+    V, v_strides = group_view(V, v_strides, place, DIL_T, DIL_H, DIL_W)
+    DO, do_strides = group_view(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
+    DK, dk_strides = group_view(DK, dk_strides, place, DIL_T, DIL_H, DIL_W)
+    DV, dv_strides = group_view(DV, dv_strides, place, DIL_T, DIL_H, DIL_W)
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
@@ -285,7 +313,7 @@ def dkdv_tile(
     BULK_ADD_DQ: tl.constexpr = BULK_DQ and not SAFE
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored dK/dV row depends on them (dQ would: see below).
-    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W)
+    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W, DILATED)
     qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
@@ -319,18 +347,18 @@ def dkdv_tile(
         dk, dv = dkdv_scan(
             dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
             stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
-            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ADD_DQ,
-            USE_TMA, BULK_ADD_DQ, SAFE)
+            USE_TMA, BULK_ADD_DQ, DIL_T, DIL_H, DIL_W, SAFE)
     else:
         n = q_head
         for _ in range(GROUP):
             dk, dv = dkdv_scan(
                 dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
                 stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, n, heads, bh,
-                n.to(tl.int64), kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale,
-                d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
-                ADD_DQ, USE_TMA, BULK_ADD_DQ, SAFE)
+                n.to(tl.int64), kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place,
+                qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
+                ADD_DQ, USE_TMA, BULK_ADD_DQ, DIL_T, DIL_H, DIL_W, SAFE)
             n += 1
             q_base += stride_qn
             do_base += stride_don
@@ -363,13 +391,16 @@ def dkdv_tile(
 @triton.jit
 def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
               stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
-              kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, qk_scale, d, d_ok,
+              kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
               CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr):
+              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
+              DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr):
     """The dK/dV kernel's scan over the query boxes of one query head (``head``,
-    ``hd``) that see its keys: ``(dk, dv)`` plus their terms, dK unscaled. ``SAFE``: the safe loop (``kernels.common``):
+    ``hd``) that see its keys: ``(dk, dv)`` plus their terms, dK unscaled.
+    ``T, H, W`` and the positions are the dilation group's, ``place`` the group
+    (``kernels.common.dilation_group``). ``SAFE``: the safe loop (``kernels.common``):
     ``dS`` masked by selection, the products by the finite parts of dO (for dV)
     and Q (for dK); not pipelined.
 
@@ -405,7 +436,7 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
             if ACCUMULATE_DQ and not BULK_DQ:
                 q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-                rows = (((bh * T + qt) * H + qh) * W + qw) * heads + hd
+                rows = position_rows(bh, hd, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
         else:
             # Queries past the range (neighbours, or repeats of its last one) are
             # masked out: a duplicate would count twice.
@@ -416,8 +447,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
             q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
             do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
-            rows = (((bh * T + pt) * H + ph) * W + pw) * heads + hd
-            stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+            rows = position_rows(bh, hd, heads, pt, ph, pw, place, DIL_T, DIL_H, DIL_W)
+            stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
             lse2 = tl.load(stats)
             delta = tl.load(stats + 1)
             visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
@@ -482,6 +513,7 @@ def na3d_bwd_delta_kernel(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
-    stats = STATS + stats_index(batch, head, heads, qt, qh, qw, T, H, W)
+    # (Positions are independent here: the full grid, whatever the dilation.)
+    stats = STATS + stats_index(batch, head, heads, qt, qh, qw, (T, H, W, T, H, W), 1, 1, 1)
     tl.store(stats, tl.load(LSE + rows) * LOG2_E, mask=q_valid)
     tl.store(stats + 1, delta, mask=q_valid)

@@ -5,7 +5,8 @@ They are the kernels' copies of ``na3d.geometry`` (kept in step with it by
 A ``CAUSAL`` flag is a compile-time constant: a causal axis costs nothing on the
 others, and the non-causal code is unchanged by it. So is ``STRIDED`` (some axis
 has a NATTEN stride > 1): without it the stride arguments are never read and the
-code is that of stride 1.
+code is that of stride 1. So are the dilations ``DIL_T/H/W``: at dilation 1 the
+code is that of a kernel without them (:func:`dilation_group`).
 """
 
 import triton
@@ -72,7 +73,7 @@ def queries_seeing(first_key, last_key, length, kernel_size, stride, CAUSAL: tl.
 
 @triton.jit
 def box_of_program(tile, tiles_h, tiles_w, T, H, W,
-                   BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
+                   BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr, DILATED: tl.constexpr = False):
     """The BOX_T x BOX_H x BOX_W box of grid positions that program ``tile`` owns
     (tiles numbered row-major over the grid).
 
@@ -81,16 +82,106 @@ def box_of_program(tile, tiles_h, tiles_w, T, H, W,
     Positions past the grid's end are replaced by the last one along that axis:
     loads through them stay in bounds and their windows are non-empty; the caller
     stores nothing for them.
+
+    ``DILATED``: the grid is a dilation group's sub-grid, tiled as the largest
+    group's (:func:`dilation_group`), so a box may start past this group's end
+    (groups differ in length by one). Such a program takes the group's last box
+    along that axis instead and marks none of its positions inside: its windows
+    are real ones, and it stores nothing.
     """
     t0 = (tile // (tiles_w * tiles_h)) * BOX_T
     h0 = ((tile // tiles_w) % tiles_h) * BOX_H
     w0 = (tile % tiles_w) * BOX_W
+    if DILATED:
+        last_t = ((T - 1) // BOX_T) * BOX_T
+        last_h = ((H - 1) // BOX_H) * BOX_H
+        last_w = ((W - 1) // BOX_W) * BOX_W
+        box_in_grid = (t0 <= last_t) & (h0 <= last_h) & (w0 <= last_w)
+        t0 = tl.minimum(t0, last_t)
+        h0 = tl.minimum(h0, last_h)
+        w0 = tl.minimum(w0, last_w)
     r = tl.arange(0, BOX_T * BOX_H * BOX_W)
     t = t0 + r // (BOX_H * BOX_W)
     h = h0 + (r // BOX_W) % BOX_H
     w = w0 + r % BOX_W
     inside = (t < T) & (h < H) & (w < W)
+    if DILATED:
+        inside = inside & box_in_grid
     return t0, h0, w0, tl.minimum(t, T - 1), tl.minimum(h, H - 1), tl.minimum(w, W - 1), inside
+
+
+@triton.jit
+def dilation_group(tile, T, H, W, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+    """NATTEN's dilation, in one launch. With dilation ``d`` an axis of length ``L``
+    splits into ``d`` groups by ``index % d``, group ``g`` holding positions
+    ``g + d * i`` for ``i < ceil((L - g) / d)``, and attention runs at dilation 1
+    inside each group (``geometry.window_bounds``). A program works inside one
+    group's sub-grid: its boxes, windows and scans are in the group's own
+    coordinates, and memory is reached through :func:`group_view` (tensors) and
+    :func:`grid_position` (the full grid's own arrays: lse, statistics).
+
+    ``tile`` numbers (box, group) pairs, the groups innermost (neighbouring
+    programs read interleaved, so neighbouring, memory), the boxes over the largest
+    group's sub-grid (``ceil(L / d)`` per axis; see :func:`box_of_program`).
+    Returns ``(tile, T, H, W, place)``: the box's number in its group, the group's
+    lengths, and ``place = (T, H, W, gt, gh, gw)``: the full grid's lengths and the
+    group. At dilation 1 the arguments come back as they are (``place`` then holds
+    placeholders that nothing reads)."""
+    GROUPS: tl.constexpr = DIL_T * DIL_H * DIL_W
+    if GROUPS == 1:
+        place = (T, H, W, T, H, W)
+    else:
+        g = tile % GROUPS
+        gt = g // (DIL_H * DIL_W)
+        gh = (g // DIL_W) % DIL_H
+        gw = g % DIL_W
+        place = (T, H, W, gt, gh, gw)
+        tile = tile // GROUPS
+        T = (T - gt + DIL_T - 1) // DIL_T
+        H = (H - gh + DIL_H - 1) // DIL_H
+        W = (W - gw + DIL_W - 1) // DIL_W
+    return tile, T, H, W, place
+
+
+@triton.jit
+def group_view(base, strides, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+    """A ``(B, T, H, W, N, C)`` tensor's dilation group ``place``
+    (:func:`dilation_group`) as a tensor of its own: ``(base, strides)`` moved to the
+    group's first position, the T, H and W strides times the dilation (int64: a
+    group's stride may pass 2**31 where the tensor's did not). At dilation 1: as
+    they are."""
+    if DIL_T * DIL_H * DIL_W > 1:
+        _, _, _, gt, gh, gw = place
+        stride_b, stride_t, stride_h, stride_w, stride_n = strides
+        base += gt.to(tl.int64) * stride_t + gh.to(tl.int64) * stride_h + gw.to(tl.int64) * stride_w
+        strides = (stride_b, tl.cast(stride_t, tl.int64) * DIL_T, tl.cast(stride_h, tl.int64) * DIL_H,
+                   tl.cast(stride_w, tl.int64) * DIL_W, stride_n)
+    return base, strides
+
+
+@triton.jit
+def grid_position(t, h, w, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+    """Positions ``(t, h, w)`` of a dilation group ``place`` (:func:`dilation_group`)
+    in the full grid, and the full grid's lengths: ``(T, H, W, t, h, w)``."""
+    T, H, W, gt, gh, gw = place
+    if DIL_T > 1:
+        t = gt + DIL_T * t
+    if DIL_H > 1:
+        h = gh + DIL_H * h
+    if DIL_W > 1:
+        w = gw + DIL_W * w
+    return T, H, W, t, h, w
+
+
+@triton.jit
+def position_rows(batch, head, heads, t, h, w, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr,
+                  DIL_W: tl.constexpr):
+    """Element index (int64) of ``(batch, t, h, w, head)`` in a contiguous ``(B, T, H,
+    W, heads)`` array of the full grid (the lse, its gradient, the one-pass
+    backward's dQ buffer in rows), for positions ``(t, h, w)`` of the group
+    ``place``."""
+    T, H, W, t, h, w = grid_position(t, h, w, place, DIL_T, DIL_H, DIL_W)
+    return (((batch.to(tl.int64) * T + t) * H + h) * W + w) * heads + head
 
 
 @triton.jit
@@ -104,12 +195,12 @@ def box_offsets(BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
 @triton.jit
 def query_box(tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW,
               CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-              Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr):
+              Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, DILATED: tl.constexpr):
     """A program over a box of queries (the forward, dQ): the box's positions
     ``(qt, qh, qw)`` and which are in the grid (:func:`box_of_program`), and the
     union of their windows, one box of keys ``[u0, u1)`` per axis (window ends never
     decrease with the query index)."""
-    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
+    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W, DILATED)
     ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)

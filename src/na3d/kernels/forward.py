@@ -7,8 +7,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_offsets, box_steps, finite_part, has_nonfinite, key_scan_masks, key_scan_visible,
-                     load_key_box, mark_reached_by_keys, next_box, query_box, run_programs, step_mask_bias)
+from .common import (box_at, box_offsets, box_steps, dilation_group, finite_part, group_view, has_nonfinite,
+                     key_scan_masks, key_scan_visible, load_key_box, mark_reached_by_keys, next_box, position_rows,
+                     query_box, run_programs, step_mask_bias)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -20,7 +21,7 @@ def na3d_fwd_kernel(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
-    CHECK: tl.constexpr, REDO: tl.constexpr,
+    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -32,6 +33,10 @@ def na3d_fwd_kernel(
     programs of a box of queries that share a key/value head are adjacent in the
     grid, so that its keys and values are read from memory once and from L2 after.
     ``heads`` counts query heads.
+
+    ``DIL_T/H/W``: NATTEN's dilation. The query tiles are then (box, dilation group)
+    pairs over the largest group's sub-grid (``kernels.common.dilation_group``), and
+    the key/value descriptors are not used (a group's positions are ``d`` apart).
 
     ``qk_scale`` is the softmax scale times log2(e), ``SCALE_SIGN`` its sign (-1, 0,
     1). LSE, when stored, is the natural log-sum-exp per query, float32, contiguous
@@ -68,7 +73,7 @@ def na3d_fwd_kernel(
     run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, q_strides, k_strides, v_strides, o_strides,
                                 T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, HEAD_DIM, BLOCK_D,
                                 Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE,
-                                SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP),
+                                SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP, DIL_T, DIL_H, DIL_W),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
 
 
@@ -82,14 +87,22 @@ def forward_tile(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
-    SAFE: tl.constexpr, CHECK: tl.constexpr,
+    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
     Returns (with ``CHECK``) whether the output holds an inf or NaN. ``SAFE``: the
     safe way (``kernels.common``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
-    marks are laid over it."""
+    marks are laid over it. Dilated: the box lies in one dilation group, whose
+    sub-grid ``T, H, W`` and tensors stand for the full ones from here on."""
+    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
+    tl.static_assert(not (DILATED and USE_TMA), "a dilation group's keys are not a box of the tensor")
+    tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
+    Q, q_strides = group_view(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
+    K, k_strides = group_view(K, k_strides, place, DIL_T, DIL_H, DIL_W)
+    V, v_strides = group_view(V, v_strides, place, DIL_T, DIL_H, DIL_W)
+    O, o_strides = group_view(O, o_strides, place, DIL_T, DIL_H, DIL_W)
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
@@ -98,7 +111,8 @@ def forward_tile(
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
     qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
-        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W)
+        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W,
+        DILATED)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -137,7 +151,7 @@ def forward_tile(
         nonfinite = tl.zeros([], tl.int1)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
     if STORE_LSE:
-        lse_rows = (((batch.to(tl.int64) * T + qt) * H + qh) * W + qw) * heads + head
+        lse_rows = position_rows(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
         # m_i is in log2 units of the scaled scores; convert to natural log.
         tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
     # (A NaN lse comes with a NaN output row.)
