@@ -69,7 +69,7 @@ def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), 
     bwd = configs.backward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     base = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), CAUSAL_T=causal[0], CAUSAL_H=causal[1],
                 CAUSAL_W=causal[2], STRIDED=False, CHECK=True, REDO=False, GROUP=1,
-                USE_TMA=fwd.tma and HD in (16, 32, 64, 128) and dilation == (1, 1, 1) and not pointers,
+                USE_TMA=fwd.tma and HD in (16, 32, 64, 128) and not pointers,
                 **launch.dilation_constexprs(dilation))
     stride = (1, 1, 1)
     passes = [
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--causal", type=int, nargs=3, default=(0, 0, 0), metavar=("T", "H", "W"),
                         help="causal axes (1: causal), e.g. --causal 1 0 0")
     parser.add_argument("--dilation", type=int, nargs=3, default=(1, 1, 1), metavar=("T", "H", "W"),
-                        help="NATTEN's dilation (the kernels then load through pointers)")
+                        help="NATTEN's dilation (boxes through descriptors that fold the groups: every dilated axis a multiple of its dilation)")
     parser.add_argument("--pointers", action="store_true", help="load through pointers where the table says TMA")
     args = parser.parse_args()
     if args.shape:

@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--bits", default="", metavar="AXES",
                         help="forward, dq: moving axes masked from window bits (needs a --fixed axis), e.g. 'th'")
     parser.add_argument("--dilation", type=int, nargs=3, default=[1, 1, 1], metavar=("T", "H", "W"),
-                        help="NATTEN's dilation (pointer loads: implies --no-tma when not 1 1 1)")
+                        help="NATTEN's dilation")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -83,7 +83,7 @@ def main() -> None:
     from na3d.kernels.forward import na3d_fwd_kernel
 
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
-    tma = not args.no_tma and args.dilation == [1, 1, 1]
+    tma = not args.no_tma
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
                       USE_TMA=tma, CHECK=True, REDO=False, GROUP=1,  # the first launch, with its check
                       **dict(zip(("DIL_T", "DIL_H", "DIL_W"), args.dilation)))

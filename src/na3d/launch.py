@@ -69,6 +69,16 @@ def dilation_constexprs(dilation: Sequence[int]) -> dict:
     return dict(DIL_T=int(dilation[0]), DIL_H=int(dilation[1]), DIL_W=int(dilation[2]))
 
 
+def group_strides(x: torch.Tensor, dilation: Sequence[int]) -> Tuple[int, ...]:
+    """A ``(B, T, H, W, N, C)`` tensor's (b, t, h, w, head) strides as those of one
+    dilation group's sub-grid: t, h and w times the dilation (``kernels/common.py``,
+    ``group_view``). Scaled here, where Triton sees their size and passes a stride
+    past 2**31 as a 64-bit integer, so that the kernels keep 32-bit strides
+    otherwise."""
+    sb, st, sh, sw, sn = x.stride()[:5]
+    return (sb, st * dilation[0], sh * dilation[1], sw * dilation[2], sn)
+
+
 def na3d_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,10 +118,10 @@ def na3d_forward(
     lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
     tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.q_tile, dilation)
     flags = nonfinite_flags(n_tiles * NH * B, q.device)
-    use_tma = cfg.tma and math.prod(dilation) == 1 and tma_layout_ok(k, v)
-    descs = [tensor_descriptor(x, cfg.kv_tile) for x in (k, v)] if use_tma else [k, v]
+    use_tma = cfg.tma and tma_layout_ok(k, v, dilation=dilation)
+    descs = [tensor_descriptor(x, cfg.kv_tile, dilation) for x in (k, v)] if use_tma else [k, v]
     args = (q, k, v, out, lse if lse is not None else out, *descs, flags,
-            q.stride()[:5], k.stride()[:5], v.stride()[:5], out.stride()[:5],
+            *(group_strides(x, dilation) for x in (q, k, v, out)),
             T, H, W, KT, KH, KW, *stride, tiles_h, tiles_w, n_tiles, NH, flags.numel(),
             scale * LOG2_E)
     constexprs = dict(
@@ -193,13 +203,17 @@ def _sm_count(device: torch.device) -> int:
     return configs.sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def tma_layout_ok(*tensors: torch.Tensor) -> bool:
+def tma_layout_ok(*tensors: torch.Tensor, dilation: Sequence[int] = (1, 1, 1)) -> bool:
     """Can the kernels read these ``(B, T, H, W, NH, HD)`` tensors through tensor
     descriptors over ``(B, T, H, W, NH * HD)``? Needs a 16-bit dtype, a power-of-two
     head dim of 16..128, the heads of a position packed (head stride = HD), 16-byte
     aligned base and strides, and an NVIDIA GPU of compute capability 9.0 or newer
-    (or the Triton interpreter, which emulates the descriptors). Anything else (AMD,
+    (or the Triton interpreter, which emulates the descriptors). With dilation,
+    also what :func:`tensor_descriptor` folds needs: every dilated axis a multiple
+    of its dilation, and packed inside the next outer axis. Anything else (AMD,
     older GPUs, padded or odd strides) loads through pointers."""
+    if not all(foldable(x.shape[1:4], x.stride()[1:4], x.shape[4] * x.shape[5], dilation) for x in tensors):
+        return False
     interpreted = kernels_interpreted()
     if torch.version.hip is not None and not interpreted:
         return False
@@ -214,18 +228,48 @@ def tma_layout_ok(*tensors: torch.Tensor) -> bool:
     return interpreted or torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
 
 
-def tensor_descriptor(x: torch.Tensor, box: Sequence[int]):
+def tensor_descriptor(x: torch.Tensor, box: Sequence[int], dilation: Sequence[int] = (1, 1, 1)):
     """A tensor descriptor over ``x`` as ``(B, T, H, W, NH * HD)``, loading one head's
-    ``box`` of positions: block ``(1, *box, HD)``."""
+    ``box`` of positions: block ``(1, *box, HD)``; with dilation, over one dilation
+    group's positions (:func:`box_descriptor`)."""
+    B, T, H, W, NH, HD = x.shape
+    return box_descriptor(x, [B, T, H, W, NH * HD], x.stride()[:4], [1, *box, HD], dilation)
+
+
+def foldable(lengths: Sequence[int], strides: Sequence[int], channels: int, dilation: Sequence[int]) -> bool:
+    """Can :func:`box_descriptor` fold the dilation groups of a tensor with these T,
+    H, W ``lengths`` and ``strides`` and ``channels`` elements per position? Each
+    dilated axis must be a multiple of its dilation (every group as long, so that
+    no box of a group reads past the tensor) and packed inside the next outer axis
+    (W: stride = channels; H: stride = W's stride x W; T: stride = H's x H)."""
+    inner = [strides[1] * lengths[1], strides[2] * lengths[2], channels]  # what T, H, W's strides must be
+    return all(d == 1 or (L % d == 0 and (L == 1 or st == want))
+               for L, st, want, d in zip(lengths, strides, inner, dilation))
+
+
+def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[int], block: Sequence[int],
+                   dilation: Sequence[int]):
+    """A tensor descriptor over ``base`` as ``(B, T, H, W, C)`` (``sizes``; ``strides``:
+    B, T, H, W's, C's is 1), block ``block``. With dilation ``(dt, dh, dw)`` it is a
+    view of all dilation groups at once, still 5-D: ``(B, T / dt, dt * H / dh,
+    dh * W / dw, dw * C)`` with strides ``(sB, dt * sT, dh * sH, dw * sW, 1)``. Each
+    group index is folded into the next inner axis, where a packed layout puts it
+    (:func:`foldable`): group ``(gt, gh, gw)``'s box at ``(t, h, w)``, channel ``c``
+    is at ``(t, gt * H / dh + h, gh * W / dw + w, gw * C + c)``
+    (``kernels/common.py``, ``descriptor_corner``). A box running past its group
+    along an axis reads the next group's positions (outside every window of the
+    box's group, so the mask drops them), or zeros past the tensor. At dilation 1,
+    the tensor as it is."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    B, T, H, W, NH, HD = x.shape
-    sizes = [B, T, H, W, NH * HD]
-    strides = list(x.stride()[:4]) + [1]
+    B, T, H, W, C = sizes
+    dt, dh, dw = dilation
+    sizes = [B, T // dt, dt * (H // dh), dh * (W // dw), dw * C]
+    strides = [strides[0], dt * strides[1], dh * strides[2], dw * strides[3], 1]
     for i in range(3, -1, -1):  # a size-1 axis may carry any stride: give it a valid one
         if sizes[i] == 1:
             strides[i] = strides[i + 1] * sizes[i + 1]
-    return TensorDescriptor(x, sizes, strides, [1, *box, HD])
+    return TensorDescriptor(base, sizes, strides, list(block))
 
 
 def na3d_backward(
@@ -279,7 +323,6 @@ def na3d_backward(
     common = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton_next_power_of_2(HD)),
                   CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
                   STRIDED=any(s != 1 for s in stride), GROUP=group, **dilation_constexprs(dilation))
-    dilated = math.prod(dilation) > 1
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
         _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, dilation, scale,
@@ -287,10 +330,10 @@ def na3d_backward(
         return dq, dk, dv
     tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.dq_q_tile, dilation)
     flags = nonfinite_flags(n_tiles * NH * B, q.device)
-    use_tma = cfg.tma and not dilated and tma_layout_ok(k, v)
-    descs = [tensor_descriptor(x, cfg.dq_kv_tile) for x in (k, v)] if use_tma else [k, v]
+    use_tma = cfg.tma and tma_layout_ok(k, v, dilation=dilation)
+    descs = [tensor_descriptor(x, cfg.dq_kv_tile, dilation) for x in (k, v)] if use_tma else [k, v]
     args = (q, k, v, out, grad_out, lse, grad_lse if grad_lse is not None else lse, stats, dq, *descs, flags,
-            q.stride()[:5], k.stride()[:5], v.stride()[:5], out.stride()[:5], grad_out.stride()[:5], dq.stride()[:5],
+            *(group_strides(x, dilation) for x in (q, k, v, out, grad_out, dq)),
             T, H, W, KT, KH, KW, *stride, tiles_h, tiles_w, n_tiles, NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(
         Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
@@ -306,11 +349,11 @@ def na3d_backward(
         na3d_bwd_dq_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.num_warps,
                                              num_stages=1)
 
-    use_tma = cfg.tma and not dilated and tma_layout_ok(q, grad_out)
-    descs = [tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out]
+    use_tma = cfg.tma and tma_layout_ok(q, grad_out, dilation=dilation)
+    descs = [tensor_descriptor(x, cfg.dkdv_q_tile, dilation) for x in (q, grad_out)] if use_tma else [q, grad_out]
     dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
-                 statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats),
+                 statistics_descriptor(stats, cfg.dkdv_q_tile, dilation) if use_tma else stats),
                 (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
                 dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common), check_nonfinite)
     return dq, dk, dv
@@ -327,7 +370,8 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
     tiles_h, tiles_w, n_tiles = tiles
     kv_heads = NH // constexprs["GROUP"]
     flags = nonfinite_flags(n_tiles * kv_heads * B, strided[0].device)
-    args = (*buffers, flags, *(x.stride()[:5] for x in strided), *sizes, tiles_h, tiles_w, n_tiles,
+    dilation = [constexprs[f"DIL_{axis}"] for axis in "THW"]
+    args = (*buffers, flags, *(group_strides(x, dilation) for x in strided), *sizes, tiles_h, tiles_w, n_tiles,
             NH, flags.numel(), scale * LOG2_E, scale)
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
@@ -345,12 +389,12 @@ def statistics_buffer(q: torch.Tensor) -> torch.Tensor:
     return torch.empty((B, NH, T, H, W, 4), dtype=torch.float32, device=q.device)
 
 
-def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int]):
-    """``stats`` as ``(B NH, T, H, W, 4)``, block ``(1, *q_box, 4)``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int], dilation: Sequence[int] = (1, 1, 1)):
+    """``stats`` as ``(B NH, T, H, W, 4)``, block ``(1, *q_box, 4)`` (with dilation: as
+    :func:`box_descriptor` folds it)."""
     B, NH, T, H, W, _ = stats.shape
-    return TensorDescriptor(stats, [B * NH, T, H, W, 4], [T * H * W * 4, H * W * 4, W * 4, 4, 1], [1, *q_box, 4])
+    return box_descriptor(stats, [B * NH, T, H, W, 4], [T * H * W * 4, H * W * 4, W * 4, 4], [1, *q_box, 4],
+                          dilation)
 
 
 def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, dilation, scale, cfg,
@@ -370,12 +414,12 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
         HEAD_DIM=HD, BLOCK_D=common["BLOCK_D"], Q_T=cfg.dq_q_tile[0], Q_H=cfg.dq_q_tile[1], Q_W=cfg.dq_q_tile[2],
         HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
     dq_acc = torch.zeros((B, T, H, W, NH, common["BLOCK_D"]), dtype=torch.float32, device=q.device)
-    use_tma = cfg.tma and math.prod(dilation) == 1 and tma_layout_ok(q, grad_out)
+    use_tma = cfg.tma and tma_layout_ok(q, grad_out, dilation=dilation)
     # The interpreter has no bulk reductions: it adds dQ per element.
     bulk_dq = use_tma and not kernels_interpreted()
-    descs = ([tensor_descriptor(x, cfg.dkdv_q_tile) for x in (q, grad_out)] if use_tma else [q, grad_out])
-    descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile) if bulk_dq else dq_acc)
-    descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile) if use_tma else stats)
+    descs = ([tensor_descriptor(x, cfg.dkdv_q_tile, dilation) for x in (q, grad_out)] if use_tma else [q, grad_out])
+    descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile, dilation) if bulk_dq else dq_acc)
+    descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile, dilation) if use_tma else stats)
     dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
                 (T, H, W, KT, KH, KW, *stride), scale,

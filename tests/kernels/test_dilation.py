@@ -34,6 +34,10 @@ CASES = [
     ((1, 7, 6, 9, 4, 16), 2, (3, 2, 3), (2, 1, 3), (True, False, True), (1, 1, 2), "contiguous"),
     ((1, 4, 9, 7, 2, 32), 2, (1, 3, 3), (1, 3, 2), (False, True, False), (1, 2, 1), "heads_first"),
     ((1, 6, 5, 11, 2, 16), 2, (2, 2, 5), (3, 2, 2), (False, False, False), (2, 1, 3), "fused_heads"),
+    # Every group as long, packed layouts: in 16 bits the boxes go through descriptors
+    # that fold the groups (launch.box_descriptor), and run past their group's end.
+    ((1, 4, 6, 8, 2, 16), 2, (2, 3, 3), (2, 2, 2), (False,) * 3, (1, 1, 1), "contiguous"),
+    ((2, 6, 8, 5, 4, 32), 2, (3, 3, 3), (2, 2, 1), (True, False, False), (1, 2, 1), "contiguous"),  # GQA
 ]
 # Small boxes: several per group along every axis, and an extra one in the largest group.
 FWD = configs.ForwardConfig((2, 4, 4), (1, 4, 8), 4, 2)
@@ -47,7 +51,7 @@ def inputs(case, dtype, seed):
     return q, k[..., :kv_heads, :], v[..., :kv_heads, :]
 
 
-@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=(0, 3, 5, 8), ids=[
+@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=(0, 3, 5, 8, 11, 13), ids=[
     f"{i // 2}-{str(d)[6:]}" for i, (_, d) in enumerate(RUNS)]))
 def test_dilation_forward_and_backward(case, dtype):
     shape, _, kernel, dilation, causal, stride, _ = case
@@ -66,6 +70,32 @@ def test_dilation_forward_and_backward(case, dtype):
         launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
                              config=dataclasses.replace(BWD, fused=fused), **features)
         assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3, **oracle_heads)
+
+
+def test_descriptors_fold_the_groups_where_the_layout_allows():
+    """Which dilated layouts read through descriptors (16 bits; every dilated axis a
+    multiple of its dilation and packed in the next outer one), and that a folded
+    descriptor's coordinates reach the group's positions: the descriptor's view,
+    indexed as the kernels index it, against the tensor itself."""
+    q = make_qkv((2, 4, 6, 8, 2, 16), torch.float16, device=DEVICE)[0]
+    assert launch.tma_layout_ok(q, dilation=(2, 2, 2)) == launch.tma_layout_ok(q)
+    assert not launch.tma_layout_ok(q, dilation=(3, 1, 1))              # 4 frames in groups of 2 and 1
+    k = q[..., :1, :]  # one of two heads: W not packed
+    assert launch.tma_layout_ok(k, dilation=(2, 2, 1)) == launch.tma_layout_ok(k)
+    assert not launch.tma_layout_ok(k, dilation=(1, 1, 2))
+    assert launch.foldable((4, 6, 8), q.stride()[1:4], 32, (2, 3, 4))
+    assert not launch.foldable((4, 6, 8), q.stride()[1:4], 32, (1, 4, 1))
+
+    dilation, box = (2, 3, 4), (1, 2, 2)
+    desc = launch.tensor_descriptor(q, box, dilation)
+    view = torch.as_strided(q, desc.shape, desc.strides)  # what the descriptor addresses
+    B, T, H, W, NH, HD = q.shape
+    hm, wm = H // dilation[1], W // dilation[2]
+    for gt, gh, gw in ((0, 0, 0), (1, 2, 3), (1, 0, 2)):
+        group = q[:, gt::dilation[0], gh::dilation[1], gw::dilation[2]]
+        for t, h, w, n in ((0, 0, 0, 0), (1, 1, 1, 1), (1, 0, 1, 0)):
+            got = view[:, t, gt * hm + h, gh * wm + w, gw * NH * HD + n * HD:][..., :HD]
+            assert torch.equal(got, group[:, t, h, w, n])
 
 
 class LaunchCounter:
@@ -109,13 +139,16 @@ def test_dilation_runs_one_launch_per_kernel(fused, monkeypatch):
     assert_matches_oracle(out.detach(), *(t.detach() for t in leaves), kernel, 0.25, dilation=dilation)
 
 
-def test_dilation_keeps_non_finite_values_inside_their_windows():
+@pytest.mark.parametrize("shape,dtype", [((1, 4, 7, 9, 2, 16), torch.float32),   # pointers, unequal groups
+                                         ((1, 4, 8, 9, 2, 16), torch.float16)],  # descriptors (16 bits)
+                         ids=["pointers", "descriptors"])
+def test_dilation_keeps_non_finite_values_inside_their_windows(shape, dtype):
     """A NaN in one value of one dilation group: the outputs and gradients whose
     windows hold it are NaN (they lie in its group), everything else equals the
     result with that value zeroed, bit for bit."""
-    shape, kernel, dilation = (1, 4, 7, 9, 2, 16), (2, 3, 3), (1, 2, 3)
-    q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=11)
-    grad_out = make_qkv(shape, torch.float32, device=DEVICE, seed=12)[0]
+    kernel, dilation = (2, 3, 3), (1, 2, 3)
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=11)
+    grad_out = make_qkv(shape, dtype, device=DEVICE, seed=12)[0]
     where = (0, 2, 3, 4, 1, 5)
     bad, clean = v.clone(), v.clone()
     bad[where] = float("nan")
@@ -127,7 +160,9 @@ def test_dilation_keeps_non_finite_values_inside_their_windows():
                                            dilation=dilation))
 
     got, want = run(bad), run(clean)
-    reached = na3d_windowed(q.cpu(), k.cpu(), bad.cpu(), kernel, 0.3, dilation=dilation).isnan().any(-1)
+    assert launch.tma_layout_ok(k, v, dilation=dilation) == (dtype == torch.float16)
+    reached = na3d_windowed(q.cpu().float(), k.cpu().float(), bad.cpu().float(), kernel, 0.3,
+                            dilation=dilation).isnan().any(-1)
     assert reached.any() and not reached.all()
     # Only queries of the value's group (H index odd, W index 1 mod 3) see it.
     assert not reached[:, :, 0::2].any() and not reached[:, :, :, 0::3].any()

@@ -30,10 +30,10 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, dilation_group, finite_part,
-                     grid_position, group_view, has_nonfinite, key_scan_masks, key_scan_visible, load_rows,
-                     mark_reached_by_keys, mark_reached_by_queries, next_box, nonfinite_rows, position_rows,
-                     queries_seeing, query_box, run_programs, sees, step_mask_bias)
+from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, descriptor_origin,
+                     dilation_group, finite_part, grid_position, group_base, has_nonfinite, key_scan_masks,
+                     key_scan_visible, load_rows, mark_reached_by_keys, mark_reached_by_queries, next_box,
+                     nonfinite_rows, position_rows, queries_seeing, query_box, run_programs, sees, step_mask_bias)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -97,14 +97,13 @@ def dq_tile(
     reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
     the marks are laid over it (``kernels.common``). Dilated: as the forward's tile."""
     DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
-    tl.static_assert(not (DILATED and USE_TMA), "a dilation group's keys are not a box of the tensor")
     tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
-    Q, q_strides = group_view(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
-    K, k_strides = group_view(K, k_strides, place, DIL_T, DIL_H, DIL_W)
-    V, v_strides = group_view(V, v_strides, place, DIL_T, DIL_H, DIL_W)
-    O, o_strides = group_view(O, o_strides, place, DIL_T, DIL_H, DIL_W)
-    DO, do_strides = group_view(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
-    DQ, dq_strides = group_view(DQ, dq_strides, place, DIL_T, DIL_H, DIL_W)
+    Q = group_base(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
+    K = group_base(K, k_strides, place, DIL_T, DIL_H, DIL_W)
+    V = group_base(V, v_strides, place, DIL_T, DIL_H, DIL_W)
+    O = group_base(O, o_strides, place, DIL_T, DIL_H, DIL_W)
+    DO = group_base(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
+    DQ = group_base(DQ, dq_strides, place, DIL_T, DIL_H, DIL_W)
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
@@ -150,7 +149,8 @@ def dq_tile(
         tl.debug_barrier()  # the marks were stored by other threads of the program
     dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
                  stride_vt, stride_vh, stride_vw, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                 ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
+                 ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, descriptor_origin(place, DIL_T, DIL_H, DIL_W),
+                 (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
                  CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
     if SAFE:
         marks = tl.load(DQ + dq_rows[:, None] + d[None, :], mask=q_valid[:, None] & d_ok[None, :], other=0.0)
@@ -169,7 +169,7 @@ def dq_tile(
 @triton.jit
 def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
             stride_vt, stride_vh, stride_vw, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-            ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
+            ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, origin, kv_channels,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
             KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
             CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
@@ -195,8 +195,10 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
         c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
                                            KV_T, KV_H, KV_W)
         if USE_TMA and not SAFE:
-            k = K_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
-            v = V_DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+            # (origin, kv_channels: the dilation group's place, see load_key_box)
+            corner = [batch, c_t, c_h + origin[0], c_w + origin[1], kv_head * HEAD_DIM + origin[2] * kv_channels]
+            k = K_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
+            v = V_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
         else:
             # Keys past the union repeat its last position and are masked (load_key_box).
             pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
@@ -251,7 +253,9 @@ def na3d_bwd_dkdv_kernel(
     (block ``(1, Q_T, Q_H, Q_W, HEAD_DIM)``), as in the forward kernel, and their
     statistics through ``STATS_DESC`` (module docstring); positions past the grid
     then read zeros for all four, so their terms are exact zeros without a range
-    mask. Without it ``STATS_DESC`` is never read. ``BULK_DQ``
+    mask (dilated: the descriptors fold the groups, ``launch.box_descriptor``, and
+    past a group's end the mask drops the next group's positions). Without it
+    ``STATS_DESC`` is never read. ``BULK_DQ``
     (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
     through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
     box) instead of an atomic per element; rows of queries outside the scanned
@@ -290,14 +294,13 @@ def dkdv_tile(
     of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
     Dilated: as the forward's tile, over a box of keys."""
     DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
-    tl.static_assert(not (DILATED and USE_TMA), "a dilation group's queries are not a box of the tensor")
     tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
-    Q, q_strides = group_view(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
-    K, k_strides = group_view(K, k_strides, place, DIL_T, DIL_H, DIL_W)
-    V, v_strides = group_view(V, v_strides, place, DIL_T, DIL_H, DIL_W)
-    DO, do_strides = group_view(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
-    DK, dk_strides = group_view(DK, dk_strides, place, DIL_T, DIL_H, DIL_W)
-    DV, dv_strides = group_view(DV, dv_strides, place, DIL_T, DIL_H, DIL_W)
+    Q = group_base(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
+    K = group_base(K, k_strides, place, DIL_T, DIL_H, DIL_W)
+    V = group_base(V, v_strides, place, DIL_T, DIL_H, DIL_W)
+    DO = group_base(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
+    DK = group_base(DK, dk_strides, place, DIL_T, DIL_H, DIL_W)
+    DV = group_base(DV, dv_strides, place, DIL_T, DIL_H, DIL_W)
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
@@ -410,7 +413,9 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     finite part, with NaN where a visible key is non-finite (the count only runs
     when the program's keys hold a non-finite element)."""
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
     steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
+    origin = descriptor_origin(place, DIL_T, DIL_H, DIL_W)
     if ACCUMULATE_DQ:
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)
@@ -425,15 +430,24 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             # Every query box through descriptors. Positions past the scanned range
             # inside the grid see none of the box's keys (the mask drops them); past
             # the grid, q, dO, lse and delta read zeros, so whatever the mask says
-            # their dV, dS (and so dK, dQ) terms are exact zeros.
-            q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-            do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM]).reshape(BLOCK_M, BLOCK_D)
-            stats = STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, 0]).reshape(BLOCK_M, 2, 2)
+            # their dV, dS (and so dK, dQ) terms are exact zeros. Boxes are read in
+            # the dilation group's place (kernels.common.descriptor_origin).
+            c_h += origin[0]
+            c_w += origin[1]
+            q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
+                BLOCK_M, BLOCK_D)
+            do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
+                BLOCK_M, BLOCK_D)
+            stats = STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, origin[2] * 4]).reshape(BLOCK_M, 2, 2)
             lse2_pad, delta_pad = tl.split(stats)
             lse2, _ = tl.split(lse2_pad)
             delta, _ = tl.split(delta_pad)
             visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
+            if DILATED:
+                # Past its group's end a box reads the next group's positions, not
+                # zeros: queries past the scanned range are masked out.
+                visible &= ((qt < qt1) & (qh < qh1) & (qw < qw1))[None, :]
             if ACCUMULATE_DQ and not BULK_DQ:
                 q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
                 rows = position_rows(bh, hd, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
@@ -477,7 +491,7 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
                                                    tl.zeros([BLOCK_M, BLOCK_D], tl.float32)) > 0,
                                    float("nan"), dq_part)
             if BULK_DQ:
-                DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D],
+                DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D + origin[2] * heads * BLOCK_D],
                                    dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
             else:
                 tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,

@@ -117,7 +117,7 @@ def dilation_group(tile, T, H, W, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_
     ``g + d * i`` for ``i < ceil((L - g) / d)``, and attention runs at dilation 1
     inside each group (``geometry.window_bounds``). A program works inside one
     group's sub-grid: its boxes, windows and scans are in the group's own
-    coordinates, and memory is reached through :func:`group_view` (tensors) and
+    coordinates, and memory is reached through :func:`group_base` (tensors) and
     :func:`grid_position` (the full grid's own arrays: lse, statistics).
 
     ``tile`` numbers (box, group) pairs, the groups innermost (neighbouring
@@ -144,19 +144,32 @@ def dilation_group(tile, T, H, W, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_
 
 
 @triton.jit
-def group_view(base, strides, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+def group_base(base, strides, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
     """A ``(B, T, H, W, N, C)`` tensor's dilation group ``place``
-    (:func:`dilation_group`) as a tensor of its own: ``(base, strides)`` moved to the
-    group's first position, the T, H and W strides times the dilation (int64: a
-    group's stride may pass 2**31 where the tensor's did not). At dilation 1: as
-    they are."""
+    (:func:`dilation_group`) as a tensor of its own: ``base`` moved to the group's
+    first position. ``strides`` are the group's already (the launcher passes the
+    T, H and W strides times the dilation: ``launch.group_strides``). At dilation
+    1: ``base``."""
     if DIL_T * DIL_H * DIL_W > 1:
         _, _, _, gt, gh, gw = place
-        stride_b, stride_t, stride_h, stride_w, stride_n = strides
-        base += gt.to(tl.int64) * stride_t + gh.to(tl.int64) * stride_h + gw.to(tl.int64) * stride_w
-        strides = (stride_b, tl.cast(stride_t, tl.int64) * DIL_T, tl.cast(stride_h, tl.int64) * DIL_H,
-                   tl.cast(stride_w, tl.int64) * DIL_W, stride_n)
-    return base, strides
+        _, stride_t, stride_h, stride_w, _ = strides
+        base += (gt.to(tl.int64) * (stride_t // DIL_T) + gh.to(tl.int64) * (stride_h // DIL_H)
+                 + gw.to(tl.int64) * (stride_w // DIL_W))
+    return base
+
+
+@triton.jit
+def descriptor_origin(place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+    """Where a dilation group ``place`` (:func:`dilation_group`) starts in a tensor
+    descriptor that folds the groups (``launch.box_descriptor``): ``(h, w, g)``, its
+    offsets along the descriptor's H and W axes, and its index along the channel
+    axis, in positions (times a position's channels). ``(0, 0, 0)`` at dilation 1."""
+    if DIL_T * DIL_H * DIL_W == 1:
+        origin = (0, 0, 0)
+    else:
+        T, H, W, gt, gh, gw = place
+        origin = (gt * (H // DIL_H), gh * (W // DIL_W), gw)
+    return origin
 
 
 @triton.jit
@@ -394,15 +407,17 @@ def key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t
 
 @triton.jit
 def load_key_box(DESC, base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_t, stride_h, stride_w,
-                 d, d_ok, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 d, d_ok, origin, kv_channels, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
                  FROM_DESC: tl.constexpr):
     """One step's box of keys (or values) ``[BLOCK_KV, BLOCK_D]`` of a scan over the
-    union ``[u0, u1)``: through the tensor descriptor from the box's corner, or
-    through pointers, where keys past the union (the last step along an axis) load
-    a repeat of its last position (outside every window of the program's queries,
-    so the mask drops them)."""
+    union ``[u0, u1)``: through the tensor descriptor from the box's corner (in the
+    dilation group at ``origin``, :func:`descriptor_origin`; ``kv_channels``: the
+    channels of a position), or through pointers, where keys past the union (the
+    last step along an axis) load a repeat of its last position (outside every
+    window of the program's queries, so the mask drops them)."""
     if FROM_DESC:
-        return DESC.load([batch, c_t, c_h, c_w, kv_head * HEAD_DIM]).reshape(BLOCK_KV, BLOCK_D)
+        return DESC.load([batch, c_t, c_h + origin[0], c_w + origin[1],
+                          kv_head * HEAD_DIM + origin[2] * kv_channels]).reshape(BLOCK_KV, BLOCK_D)
     offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_t + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_h
             + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_w)
     return tl.load(base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)

@@ -7,9 +7,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_offsets, box_steps, dilation_group, finite_part, group_view, has_nonfinite,
-                     key_scan_masks, key_scan_visible, load_key_box, mark_reached_by_keys, next_box, position_rows,
-                     query_box, run_programs, step_mask_bias)
+from .common import (box_at, box_offsets, box_steps, descriptor_origin, dilation_group, finite_part, group_base,
+                     has_nonfinite, key_scan_masks, key_scan_visible, load_key_box, mark_reached_by_keys, next_box,
+                     position_rows, query_box, run_programs, step_mask_bias)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -36,7 +36,7 @@ def na3d_fwd_kernel(
 
     ``DIL_T/H/W``: NATTEN's dilation. The query tiles are then (box, dilation group)
     pairs over the largest group's sub-grid (``kernels.common.dilation_group``), and
-    the key/value descriptors are not used (a group's positions are ``d`` apart).
+    the stride tuples a group's (``launch.group_strides``: t, h, w times the dilation).
 
     ``qk_scale`` is the softmax scale times log2(e), ``SCALE_SIGN`` its sign (-1, 0,
     1). LSE, when stored, is the natural log-sum-exp per query, float32, contiguous
@@ -97,12 +97,11 @@ def forward_tile(
     marks are laid over it. Dilated: the box lies in one dilation group, whose
     sub-grid ``T, H, W`` and tensors stand for the full ones from here on."""
     DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
-    tl.static_assert(not (DILATED and USE_TMA), "a dilation group's keys are not a box of the tensor")
     tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
-    Q, q_strides = group_view(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
-    K, k_strides = group_view(K, k_strides, place, DIL_T, DIL_H, DIL_W)
-    V, v_strides = group_view(V, v_strides, place, DIL_T, DIL_H, DIL_W)
-    O, o_strides = group_view(O, o_strides, place, DIL_T, DIL_H, DIL_W)
+    Q = group_base(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
+    K = group_base(K, k_strides, place, DIL_T, DIL_H, DIL_W)
+    V = group_base(V, v_strides, place, DIL_T, DIL_H, DIL_W)
+    O = group_base(O, o_strides, place, DIL_T, DIL_H, DIL_W)
     stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
     stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
     stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
@@ -135,6 +134,7 @@ def forward_tile(
     acc, m_i, l_i = forward_scan(
         q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
         batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
+        descriptor_origin(place, DIL_T, DIL_H, DIL_W), (heads // GROUP) * HEAD_DIM,
         HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN, USE_TMA,
         MASK_T, MASK_H, MASK_W, SAFE)
     out = acc / l_i[:, None]
@@ -161,15 +161,16 @@ def forward_tile(
 @triton.jit
 def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
                  batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale,
-                 d, d_ok,
+                 d, d_ok, origin, kv_channels,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
                  CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
                  SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
                  MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr):
     """The scan of one program's union of windows: ``(acc, m, l)``, the
-    unnormalized output, row maximum and sum (log2 domain).
-    ``SAFE``: the safe loop (``kernels.common``): masks by selection, multiplies by
+    unnormalized output, row maximum and sum (log2 domain). ``origin``,
+    ``kv_channels``: the key/value descriptors' place of the dilation group
+    (``kernels.common.load_key_box``). ``SAFE``: the safe loop (``kernels.common``): masks by selection, multiplies by
     the values' finite part; not pipelined, so that it adds no shared memory."""
     BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
     steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
@@ -193,7 +194,8 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
         c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
                                            KV_T, KV_H, KV_W)
         k = load_key_box(K_DESC, k_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_kt,
-                         stride_kh, stride_kw, d, d_ok, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
+                         stride_kh, stride_kw, d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                         USE_TMA and not SAFE)
         if ON_PRODUCT:
             bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
                                   bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
@@ -228,7 +230,8 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
             p = tl.math.exp2(s * qk_scale - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_key_box(V_DESC, v_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_vt,
-                         stride_vh, stride_vw, d, d_ok, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
+                         stride_vh, stride_vw, d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                         USE_TMA and not SAFE)
         if SAFE:
             v, _ = finite_part(v)
         acc = acc * alpha[:, None]
