@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from na3d import geometry
+from na3d import configs, geometry
 
 
 def natten_sees(q, k, length, kernel, dilation=1, causal=False):
@@ -97,6 +97,22 @@ def test_issued_flops_ratio_counts_padded_work():
         issued *= total
     useful = 5 * 6 * 7 * 3 * 3 * 5
     assert geometry.issued_flops_ratio(shape, kernel, qt, kt) == pytest.approx(issued / useful)
+
+
+def test_causal_scans_cover_no_more_than_centered_ones():
+    """A causal axis' union of windows is as wide as a centered one (``box - 1 + K``)
+    and narrower at the start, so a kernel tiled for centered windows issues no
+    more products on it: per axis, for every table configuration and the feature
+    base shapes. The useful count is the clipped windows'."""
+    for grid in ((24, 48, 64), (36, 64, 96), (7, 9, 13)):
+        for bucket in configs.load_table("sm90")["forward"]:
+            for _, entry in configs.bucket_options(bucket):
+                for L, K, a, b in zip(grid, (3, 5, 5), entry["q_tile"], entry["kv_tile"]):
+                    assert (geometry.tile_key_pairs_1d(L, K, a, b, is_causal=True)
+                            <= geometry.tile_key_pairs_1d(L, K, a, b))
+    assert geometry.useful_pairs_1d(5, 3, is_causal=True) == 1 + 2 + 3 + 3 + 3
+    mask = geometry.mask_1d(5, 3, is_causal=True)
+    assert mask.sum().item() == geometry.useful_pairs_1d(5, 3, is_causal=True)
 
 
 try:

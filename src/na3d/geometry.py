@@ -205,22 +205,30 @@ def neighborhood_mask(
     return mask.expand(*shape, *shape).reshape(n, n)
 
 
-def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int) -> int:
+def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, is_causal: bool = False) -> int:
     """Query-key pairs a tiled kernel computes along one dimension.
 
     Queries are cut into runs of ``q_tile``; each run scans the union of its
     windows in steps of ``kv_tile`` keys (the last step may run past the union).
     The 3-D count is the product of the three 1-D counts, so
-    ``prod(tile_key_pairs_1d) / (N * prod(K))`` is the ratio of issued to useful
-    QK^T products of a kernel tiled that way.
+    ``prod(tile_key_pairs_1d) / prod(useful_pairs_1d)`` is the ratio of issued to
+    useful QK^T products of a kernel tiled that way.
     """
     total = 0
     for first in range(0, length, q_tile):
         last = min(first + q_tile, length) - 1
-        start, stop = union_of_windows(first, last, length, kernel_size)
+        start, stop = union_of_windows(first, last, length, kernel_size, is_causal)
         n_kv = -(-(stop - start) // kv_tile)
         total += q_tile * n_kv * kv_tile
     return total
+
+
+def useful_pairs_1d(length: int, kernel_size: int, is_causal: bool = False) -> int:
+    """Query-key pairs inside the windows along one dimension: ``L * K``, or on a
+    causal axis, whose windows are clipped at 0, the sum of ``min(i + 1, K)``."""
+    if not is_causal:
+        return length * kernel_size
+    return sum(min(i + 1, kernel_size) for i in range(length))
 
 
 def issued_flops_ratio(
@@ -228,11 +236,12 @@ def issued_flops_ratio(
     kernel_size: Sequence[int],
     q_tile: Sequence[int],
     kv_tile: Sequence[int],
+    is_causal: Sequence[bool] = (False, False, False),
 ) -> float:
     """Ratio of QK^T (and PV) products issued by a box-tiled kernel to useful ones."""
     issued = 1.0
     useful = 1.0
-    for L, K, qt, kt in zip(shape, kernel_size, q_tile, kv_tile):
-        issued *= tile_key_pairs_1d(L, K, qt, kt)
-        useful *= L * K
+    for L, K, qt, kt, c in zip(shape, kernel_size, q_tile, kv_tile, is_causal):
+        issued *= tile_key_pairs_1d(L, K, qt, kt, c)
+        useful *= useful_pairs_1d(L, K, c)
     return issued / useful

@@ -256,7 +256,9 @@ def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[i
     group index is folded into the next inner axis, where a packed layout puts it
     (:func:`foldable`): group ``(gt, gh, gw)``'s box at ``(t, h, w)``, channel ``c``
     is at ``(t, gt * H / dh + h, gh * W / dw + w, gw * C + c)``
-    (``kernels/common.py``, ``descriptor_corner``). A box running past its group
+    (``kernels/common.py``, ``descriptor_origin``). For a packed tensor this is a
+    reshape, ``(B, T/dt, [dt, H/dh], [dh, W/dw], [dw, C])``: no two coordinates
+    address one element. A box running past its group
     along an axis reads the next group's positions (outside every window of the
     box's group, so the mask drops them), or zeros past the tensor. At dilation 1,
     the tensor as it is."""
