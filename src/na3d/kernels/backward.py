@@ -31,9 +31,10 @@ import triton.language as tl
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
 from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, descriptor_origin,
-                     dilation_group, finite_part, grid_position, group_base, has_nonfinite, key_scan_masks,
-                     key_scan_visible, load_rows, mark_reached_by_keys, mark_reached_by_queries, next_box,
-                     nonfinite_rows, position_rows, queries_seeing, query_box, run_programs, sees, step_mask_bias)
+                     dilation_group, finite_part, first_box, grid_position, has_nonfinite, head_base, head_columns,
+                     key_scan_masks, key_scan_visible, key_value_bases, load_rows, mark_reached, next_box,
+                     nonfinite_rows, position_offsets, position_rows, queries_seeing, query_box, run_programs, sees,
+                     step_mask_bias, store_query_tile)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -45,6 +46,28 @@ def stats_index(batch, head, heads, t, h, w, place, DIL_T: tl.constexpr, DIL_H: 
     (``kernels.common.dilation_group``); their delta is the next element."""
     T, H, W, t, h, w = grid_position(t, h, w, place, DIL_T, DIL_H, DIL_W)
     return ((((batch.to(tl.int64) * heads + head) * T + t) * H + h) * W + w) * 4
+
+
+@triton.jit
+def query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, heads, t, h, w, valid, place, d,
+                     d_ok, HAS_DLSE: tl.constexpr, STORE: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr,
+                     DIL_W: tl.constexpr):
+    """A box of queries' dO rows and statistics (module docstring): ``(do, lse2,
+    delta)``, ``lse2`` the lse in log2 units and ``delta = rowsum(dO * O) - dlse``;
+    with ``STORE`` also written to ``STATS`` where ``valid``. Positions ``(t, h, w)``
+    of the dilation group ``place`` (int64); O and DO that group's (``dilation_group``)."""
+    do = load_rows(head_base(DO, do_strides, batch, head), do_strides, t, h, w, d, d_ok)
+    o = load_rows(head_base(O, o_strides, batch, head), o_strides, t, h, w, d, d_ok)
+    rows = position_rows(batch.to(tl.int64), head.to(tl.int64), heads, t, h, w, place, DIL_T, DIL_H, DIL_W)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows)
+    lse2 = tl.load(LSE + rows) * LOG2_E
+    if STORE:
+        stats = STATS + stats_index(batch, head, heads, t, h, w, place, DIL_T, DIL_H, DIL_W)
+        tl.store(stats, lse2, mask=valid)
+        tl.store(stats + 1, delta, mask=valid)
+    return do, lse2, delta
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -96,79 +119,43 @@ def dq_tile(
     its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
     reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
     the marks are laid over it (``kernels.common``). Dilated: as the forward's tile."""
-    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
-    tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
-    Q = group_base(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
-    K = group_base(K, k_strides, place, DIL_T, DIL_H, DIL_W)
-    V = group_base(V, v_strides, place, DIL_T, DIL_H, DIL_W)
-    O = group_base(O, o_strides, place, DIL_T, DIL_H, DIL_W)
-    DO = group_base(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
-    DQ = group_base(DQ, dq_strides, place, DIL_T, DIL_H, DIL_W)
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on = o_strides
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don = do_strides
-    stride_dqb, stride_dqt, stride_dqh, stride_dqw, stride_dqn = dq_strides
+    tile, T, H, W, place, tensors = dilation_group(
+        tile, T, H, W, (Q, K, V, O, DO, DQ), (q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides),
+        DIL_T, DIL_H, DIL_W)
+    Q, K, V, O, DO, DQ = tensors
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
-    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
-    tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
     qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
         tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W,
-        DILATED)
+        DIL_T * DIL_H * DIL_W > 1)
 
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
     bh = batch.to(tl.int64)
     hd = head.to(tl.int64)
     pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-    q = load_rows(Q + bh * stride_qb + hd * stride_qn, pos_t, pos_h, pos_w, stride_qt, stride_qh, stride_qw, d, d_ok)
-    do = load_rows(DO + bh * stride_dob + hd * stride_don,
-                   pos_t, pos_h, pos_w, stride_dot, stride_doh, stride_dow, d, d_ok)
-    o = load_rows(O + bh * stride_ob + hd * stride_on, pos_t, pos_h, pos_w, stride_ot, stride_oh, stride_ow, d, d_ok)
-    rows = position_rows(bh, hd, heads, pos_t, pos_h, pos_w, place, DIL_T, DIL_H, DIL_W)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + rows)
-    lse2 = tl.load(LSE + rows) * LOG2_E
-    if not SAFE:  # (the safe way would store the same statistics again)
-        stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
-        tl.store(stats, lse2, mask=q_valid)
-        tl.store(stats + 1, delta, mask=q_valid)
+    q = load_rows(head_base(Q, q_strides, bh, hd), q_strides, pos_t, pos_h, pos_w, d, d_ok)
+    # (The safe way would store the same statistics again.)
+    do, lse2, delta = query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, heads,
+                                       pos_t, pos_h, pos_w, q_valid, place, d, d_ok, HAS_DLSE, not SAFE,
+                                       DIL_T, DIL_H, DIL_W)
 
-    kv_head = head // GROUP
-    k_base = K + bh * stride_kb + kv_head.to(tl.int64) * stride_kn
-    v_base = V + bh * stride_vb + kv_head.to(tl.int64) * stride_vn
+    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, bh, head, GROUP)
     if SAFE:
-        dq_rows = bh * stride_dqb + hd * stride_dqn + pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw
-        mark_reached_by_keys(DQ, dq_rows, q_valid, k_base, stride_kt, stride_kh, stride_kw, qt, qh, qw, T, H, W,
-                             KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, HEAD_DIM, BLOCK_Q,
-                             KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
-        tl.debug_barrier()  # the marks were stored by other threads of the program
-    dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
-                 stride_vt, stride_vh, stride_vw, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+        mark_reached(head_base(DQ, dq_strides, batch, head), position_offsets(dq_strides, qt, qh, qw), q_valid,
+                     k_base, k_strides, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1,
+                     HEAD_DIM, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, 1, True)
+    dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides,
+                 batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
                  ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, descriptor_origin(place, DIL_T, DIL_H, DIL_W),
                  (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
                  CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
-    if SAFE:
-        marks = tl.load(DQ + dq_rows[:, None] + d[None, :], mask=q_valid[:, None] & d_ok[None, :], other=0.0)
-        dq = tl.where(marks != marks, float("nan"), dq)
-
-    dq_ptrs = (DQ + bh * stride_dqb + hd * stride_dqn
-               + (pos_t * stride_dqt + pos_h * stride_dqh + pos_w * stride_dqw)[:, None] + d[None, :])
-    if CHECK:
-        nonfinite = has_nonfinite(dq)
-    else:
-        nonfinite = tl.zeros([], tl.int1)
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
-    return nonfinite
+    return store_query_tile(DQ, dq_strides, batch, head, qt, qh, qw, q_valid, dq, d, d_ok, SAFE, CHECK, scale)
 
 
 @triton.jit
-def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw,
-            stride_vt, stride_vh, stride_vw, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
+def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides,
+            batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
             ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, origin, kv_channels,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
             KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
@@ -188,9 +175,7 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
         qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
         CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE,
         float("-inf"))
-    i_t = tl.zeros([], tl.int32)
-    i_h = tl.zeros([], tl.int32)
-    i_w = tl.zeros([], tl.int32)
+    i_t, i_h, i_w = first_box()
     for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
                                            KV_T, KV_H, KV_W)
@@ -204,8 +189,8 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, stride_kt, strid
             pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
             ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
             pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
-            k = load_rows(k_base, pt, ph, pw, stride_kt, stride_kh, stride_kw, d, d_ok)
-            v = load_rows(v_base, pt, ph, pw, stride_vt, stride_vh, stride_vw, d, d_ok)
+            k = load_rows(k_base, k_strides, pt, ph, pw, d, d_ok)
+            v = load_rows(v_base, v_strides, pt, ph, pw, d, d_ok)
         if ON_PRODUCT:
             bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
                                   bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W)
@@ -293,20 +278,10 @@ def dkdv_tile(
     ``head * GROUP ...`` scanned in turn. Returns (with ``CHECK``) which of its rows
     of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
     Dilated: as the forward's tile, over a box of keys."""
-    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
-    tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
-    Q = group_base(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
-    K = group_base(K, k_strides, place, DIL_T, DIL_H, DIL_W)
-    V = group_base(V, v_strides, place, DIL_T, DIL_H, DIL_W)
-    DO = group_base(DO, do_strides, place, DIL_T, DIL_H, DIL_W)
-    DK = group_base(DK, dk_strides, place, DIL_T, DIL_H, DIL_W)
-    DV = group_base(DV, dv_strides, place, DIL_T, DIL_H, DIL_W)
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don = do_strides
-    stride_dkb, stride_dkt, stride_dkh, stride_dkw, stride_dkn = dk_strides
-    stride_dvb, stride_dvt, stride_dvh, stride_dvw, stride_dvn = dv_strides
+    tile, T, H, W, place, tensors = dilation_group(
+        tile, T, H, W, (Q, K, V, DO, DK, DV), (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
+        DIL_T, DIL_H, DIL_W)
+    Q, K, V, DO, DK, DV = tensors
     BLOCK_N: tl.constexpr = K_T * K_H * K_W
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
@@ -316,40 +291,40 @@ def dkdv_tile(
     BULK_ADD_DQ: tl.constexpr = BULK_DQ and not SAFE
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored dK/dV row depends on them (dQ would: see below).
-    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W, DILATED)
+    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W,
+                                                     DIL_T * DIL_H * DIL_W > 1)
     qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
     qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
 
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
     bh = batch.to(tl.int64)
     hd = head.to(tl.int64)
     pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
-    k = load_rows(K + bh * stride_kb + hd * stride_kn, pos_t, pos_h, pos_w, stride_kt, stride_kh, stride_kw, d, d_ok)
-    v = load_rows(V + bh * stride_vb + hd * stride_vn, pos_t, pos_h, pos_w, stride_vt, stride_vh, stride_vw, d, d_ok)
+    k = load_rows(head_base(K, k_strides, bh, hd), k_strides, pos_t, pos_h, pos_w, d, d_ok)
+    v = load_rows(head_base(V, v_strides, bh, hd), v_strides, pos_t, pos_h, pos_w, d, d_ok)
     q_head = head * GROUP  # the group's first query head
-    q_base = Q + bh * stride_qb + q_head.to(tl.int64) * stride_qn
-    do_base = DO + bh * stride_dob + q_head.to(tl.int64) * stride_don
+    q_base = head_base(Q, q_strides, bh, q_head)
+    do_base = head_base(DO, do_strides, bh, q_head)
 
     if SAFE:
         # dV elements a visible non-finite dO row reaches, and dK elements a
         # visible non-finite query reaches, are first marked NaN in DV and DK.
-        dk_rows = bh * stride_dkb + hd * stride_dkn + pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw
-        dv_rows = bh * stride_dvb + hd * stride_dvn + pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw
-        mark_reached_by_queries(DV, dv_rows, k_valid, do_base, stride_don, stride_dot, stride_doh, stride_dow,
-                                kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM,
-                                BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP)
-        mark_reached_by_queries(DK, dk_rows, k_valid, q_base, stride_qn, stride_qt, stride_qh, stride_qw,
-                                kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM,
-                                BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP)
-        tl.debug_barrier()  # the marks were stored by other threads of the program
+        dk_rows = position_offsets(dk_strides, pos_t, pos_h, pos_w)
+        dv_rows = position_offsets(dv_strides, pos_t, pos_h, pos_w)
+        marked = ((head_base(DV, dv_strides, bh, hd), dv_rows, do_base, do_strides),
+                  (head_base(DK, dk_strides, bh, hd), dk_rows, q_base, q_strides))
+        for i in tl.static_range(2):
+            out_base, out_rows, src_base, src_strides = marked[i]
+            mark_reached(out_base, out_rows, k_valid, src_base, src_strides, kt, kh, kw, T, H, W, KT, KH, KW,
+                         ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N, Q_T, Q_H, Q_W,
+                         CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if GROUP == 1:
         dk, dv = dkdv_scan(
             dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-            stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+            q_strides, do_strides, batch, head, heads, bh, hd,
             kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ADD_DQ,
             USE_TMA, BULK_ADD_DQ, DIL_T, DIL_H, DIL_W, SAFE)
@@ -358,25 +333,25 @@ def dkdv_tile(
         for _ in range(GROUP):
             dk, dv = dkdv_scan(
                 dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-                stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, n, heads, bh,
+                q_strides, do_strides, batch, n, heads, bh,
                 n.to(tl.int64), kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place,
                 qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
                 ADD_DQ, USE_TMA, BULK_ADD_DQ, DIL_T, DIL_H, DIL_W, SAFE)
             n += 1
-            q_base += stride_qn
-            do_base += stride_don
+            q_base += q_strides[4]
+            do_base += do_strides[4]
     if SAFE:
         in_tile = k_valid[:, None] & d_ok[None, :]
-        marks = tl.load(DV + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        marks = tl.load(head_base(DV, dv_strides, bh, hd) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
         dv = tl.where(marks != marks, float("nan"), dv)
-        marks = tl.load(DK + dk_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        marks = tl.load(head_base(DK, dk_strides, bh, hd) + dk_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
         dk = tl.where(marks != marks, float("nan"), dk)
 
     store = k_valid[:, None] & d_ok[None, :]
-    dk_ptrs = (DK + bh * stride_dkb + hd * stride_dkn
-               + (pos_t * stride_dkt + pos_h * stride_dkh + pos_w * stride_dkw)[:, None] + d[None, :])
-    dv_ptrs = (DV + bh * stride_dvb + hd * stride_dvn
-               + (pos_t * stride_dvt + pos_h * stride_dvh + pos_w * stride_dvw)[:, None] + d[None, :])
+    dk_ptrs = (head_base(DK, dk_strides, bh, hd) + position_offsets(dk_strides, pos_t, pos_h, pos_w)[:, None]
+               + d[None, :])
+    dv_ptrs = (head_base(DV, dv_strides, bh, hd) + position_offsets(dv_strides, pos_t, pos_h, pos_w)[:, None]
+               + d[None, :])
     dk = (dk * scale).to(DK.dtype.element_ty)
     dv = dv.to(DV.dtype.element_ty)
     tl.store(dk_ptrs, dk, mask=store)
@@ -393,7 +368,7 @@ def dkdv_tile(
 
 @triton.jit
 def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-              stride_qt, stride_qh, stride_qw, stride_dot, stride_doh, stride_dow, batch, head, heads, bh, hd,
+              q_strides, do_strides, batch, head, heads, bh, hd,
               kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
@@ -420,9 +395,7 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)
     off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
-    i_t = tl.zeros([], tl.int32)
-    i_h = tl.zeros([], tl.int32)
-    i_w = tl.zeros([], tl.int32)
+    i_t, i_h, i_w = first_box()
     for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
                                            Q_T, Q_H, Q_W)
@@ -459,8 +432,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             qh = tl.minimum(qh, qh1 - 1)
             qw = tl.minimum(qw, qw1 - 1)
             pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-            q = load_rows(q_base, pt, ph, pw, stride_qt, stride_qh, stride_qw, d, d_ok)
-            do = load_rows(do_base, pt, ph, pw, stride_dot, stride_doh, stride_dow, d, d_ok)
+            q = load_rows(q_base, q_strides, pt, ph, pw, d, d_ok)
+            do = load_rows(do_base, do_strides, pt, ph, pw, d, d_ok)
             rows = position_rows(bh, hd, heads, pt, ph, pw, place, DIL_T, DIL_H, DIL_W)
             stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
             lse2 = tl.load(stats)
@@ -509,25 +482,10 @@ def na3d_bwd_delta_kernel(
     """Grid: (query tiles, heads, batch). ``STATS`` (module docstring: lse in log2
     units and ``delta = rowsum(dO * O) - dlse``) for a box of queries, for the fused
     kernel."""
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on = o_strides
-    stride_dob, stride_dot, stride_doh, stride_dow, stride_don = do_strides
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    heads = tl.num_programs(1)
     _, _, _, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    bh = batch.to(tl.int64)
-    hd = head.to(tl.int64)
-    pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-    do = load_rows(DO + bh * stride_dob + hd * stride_don,
-                   pos_t, pos_h, pos_w, stride_dot, stride_doh, stride_dow, d, d_ok)
-    o = load_rows(O + bh * stride_ob + hd * stride_on, pos_t, pos_h, pos_w, stride_ot, stride_oh, stride_ow, d, d_ok)
-    rows = (((bh * T + pos_t) * H + pos_h) * W + pos_w) * heads + hd
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + rows)
+    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
     # (Positions are independent here: the full grid, whatever the dilation.)
-    stats = STATS + stats_index(batch, head, heads, qt, qh, qw, (T, H, W, T, H, W), 1, 1, 1)
-    tl.store(stats, tl.load(LSE + rows) * LOG2_E, mask=q_valid)
-    tl.store(stats + 1, delta, mask=q_valid)
+    query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, tl.num_programs(1), qt.to(tl.int64),
+                     qh.to(tl.int64), qw.to(tl.int64), q_valid, (T, H, W, T, H, W), d, d_ok, HAS_DLSE, True, 1, 1, 1)

@@ -111,22 +111,26 @@ def box_of_program(tile, tiles_h, tiles_w, T, H, W,
 
 
 @triton.jit
-def dilation_group(tile, T, H, W, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+def dilation_group(tile, T, H, W, tensors, strides, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
     """NATTEN's dilation, in one launch. With dilation ``d`` an axis of length ``L``
     splits into ``d`` groups by ``index % d``, group ``g`` holding positions
     ``g + d * i`` for ``i < ceil((L - g) / d)``, and attention runs at dilation 1
     inside each group (``geometry.window_bounds``). A program works inside one
     group's sub-grid: its boxes, windows and scans are in the group's own
-    coordinates, and memory is reached through :func:`group_base` (tensors) and
-    :func:`grid_position` (the full grid's own arrays: lse, statistics).
+    coordinates, and memory is reached through the group's view of each tensor
+    (its first position, and strides times the dilation, which the launcher
+    passes: ``launch.group_strides``) and :func:`grid_position` (the full grid's
+    own arrays: lse, statistics).
 
     ``tile`` numbers (box, group) pairs, the groups innermost (neighbouring
     programs read interleaved, so neighbouring, memory), the boxes over the largest
     group's sub-grid (``ceil(L / d)`` per axis; see :func:`box_of_program`).
-    Returns ``(tile, T, H, W, place)``: the box's number in its group, the group's
-    lengths, and ``place = (T, H, W, gt, gh, gw)``: the full grid's lengths and the
-    group. At dilation 1 the arguments come back as they are (``place`` then holds
-    placeholders that nothing reads)."""
+    ``tensors``: ``(B, T, H, W, N, C)`` tensors, ``strides`` theirs (b, t, h, w, n).
+    Returns ``(tile, T, H, W, place, tensors)``: the box's number in its group, the
+    group's lengths, ``place = (T, H, W, gt, gh, gw)`` (the full grid's lengths and
+    the group), and the tensors moved to the group's first position. At dilation
+    1 the arguments come back as they are (``place`` then holds placeholders that
+    nothing reads)."""
     GROUPS: tl.constexpr = DIL_T * DIL_H * DIL_W
     if GROUPS == 1:
         place = (T, H, W, T, H, W)
@@ -140,22 +144,14 @@ def dilation_group(tile, T, H, W, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_
         T = (T - gt + DIL_T - 1) // DIL_T
         H = (H - gh + DIL_H - 1) // DIL_H
         W = (W - gw + DIL_W - 1) // DIL_W
-    return tile, T, H, W, place
-
-
-@triton.jit
-def group_base(base, strides, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
-    """A ``(B, T, H, W, N, C)`` tensor's dilation group ``place``
-    (:func:`dilation_group`) as a tensor of its own: ``base`` moved to the group's
-    first position. ``strides`` are the group's already (the launcher passes the
-    T, H and W strides times the dilation: ``launch.group_strides``). At dilation
-    1: ``base``."""
-    if DIL_T * DIL_H * DIL_W > 1:
-        _, _, _, gt, gh, gw = place
-        _, stride_t, stride_h, stride_w, _ = strides
-        base += (gt.to(tl.int64) * (stride_t // DIL_T) + gh.to(tl.int64) * (stride_h // DIL_H)
-                 + gw.to(tl.int64) * (stride_w // DIL_W))
-    return base
+        moved = ()
+        for i in tl.static_range(len(tensors)):
+            # (the strides are the group's: the tensor's t, h, w strides times the dilation)
+            moved = moved + (tensors[i] + gt.to(tl.int64) * (strides[i][1] // DIL_T)
+                             + gh.to(tl.int64) * (strides[i][2] // DIL_H)
+                             + gw.to(tl.int64) * (strides[i][3] // DIL_W),)
+        tensors = moved
+    return tile, T, H, W, place, tensors
 
 
 @triton.jit
@@ -213,6 +209,7 @@ def query_box(tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW,
     ``(qt, qh, qw)`` and which are in the grid (:func:`box_of_program`), and the
     union of their windows, one box of keys ``[u0, u1)`` per axis (window ends never
     decrease with the query index)."""
+    tl.static_assert(Q_T * Q_H * Q_W >= 16, "tl.dot needs boxes of at least 16 queries")
     t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W, DILATED)
     ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
     uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
@@ -239,6 +236,13 @@ def box_at(i_t, i_h, i_w, t0, h0, w0, off_t, off_h, off_w, B_T: tl.constexpr, B_
     c_h = h0 + i_h * B_H
     c_w = w0 + i_w * B_W
     return c_t, c_h, c_w, c_t + off_t, c_h + off_h, c_w + off_w
+
+
+@triton.jit
+def first_box():
+    """Box indices ``(i_t, i_h, i_w)`` of a scan's first box (:func:`next_box` counts
+    on from them)."""
+    return tl.zeros([], tl.int32), tl.zeros([], tl.int32), tl.zeros([], tl.int32)
 
 
 @triton.jit
@@ -362,6 +366,7 @@ def key_scan_masks(qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, o
     bits on every axis where they fit (a fixed axis' union fits its key box, so its
     bits fit when the box does), which hold fewer registers than the fixed part.
     Values a mode does not use are placeholders that the compiler drops."""
+    tl.static_assert(BLOCK_KV >= 16, "tl.dot needs boxes of at least 16 keys")
     SAFE_BITS: tl.constexpr = SAFE and (MASK_T + MASK_H + MASK_W > 0)
     if ON_PRODUCT or SAFE_BITS:
         st, et = window_bounds(qt, T, KT, ST, CAUSAL_T, STRIDED)
@@ -406,7 +411,7 @@ def key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t
 
 
 @triton.jit
-def load_key_box(DESC, base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_t, stride_h, stride_w,
+def load_key_box(DESC, base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, strides,
                  d, d_ok, origin, kv_channels, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
                  FROM_DESC: tl.constexpr):
     """One step's box of keys (or values) ``[BLOCK_KV, BLOCK_D]`` of a scan over the
@@ -418,8 +423,8 @@ def load_key_box(DESC, base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1
     if FROM_DESC:
         return DESC.load([batch, c_t, c_h + origin[0], c_w + origin[1],
                           kv_head * HEAD_DIM + origin[2] * kv_channels]).reshape(BLOCK_KV, BLOCK_D)
-    offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_t + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_h
-            + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_w)
+    offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * strides[1] + tl.minimum(kh, uh1 - 1).to(tl.int64) * strides[2]
+            + tl.minimum(kw, uw1 - 1).to(tl.int64) * strides[3])
     return tl.load(base + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
 
 
@@ -444,13 +449,43 @@ def sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
 
 
 @triton.jit
-def load_rows(base, pos_t, pos_h, pos_w, stride_t, stride_h, stride_w, d, d_ok):
-    """``[positions, BLOCK_D]`` rows of one (batch, head) of a ``(B, T, H, W, NH, HD)``
-    tensor: ``base`` points at that batch and head, ``pos_*`` are int64 coordinates
-    (in bounds), ``d``/``d_ok`` the head-dim columns and which of them exist (the
-    padding columns read 0)."""
-    return tl.load(base + (pos_t * stride_t + pos_h * stride_h + pos_w * stride_w)[:, None] + d[None, :],
-                   mask=d_ok[None, :], other=0.0)
+def head_columns(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The columns of a head's row in a tile, ``BLOCK_D`` (a power of two), and
+    which of them exist (``< HEAD_DIM``; the others are padding, loaded as 0)."""
+    d = tl.arange(0, BLOCK_D)
+    return d, d < HEAD_DIM
+
+
+@triton.jit
+def head_base(X, strides, batch, head):
+    """Where (batch, head) of a ``(B, T, H, W, N, C)`` tensor with these (b, t, h, w,
+    n) ``strides`` starts (64-bit offsets)."""
+    return X + batch.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[4]
+
+
+@triton.jit
+def key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP: tl.constexpr):
+    """For query head ``head`` (``GROUP`` of them per key/value head): its key/value
+    head, and where that head of ``batch`` starts in K and V (:func:`head_base`)."""
+    kv_head = head // GROUP
+    return kv_head, head_base(K, k_strides, batch, kv_head), head_base(V, v_strides, batch, kv_head)
+
+
+@triton.jit
+def position_offsets(strides, t, h, w):
+    """Offsets (int64) of positions ``(t, h, w)`` in a tensor with these (b, t, h, w,
+    n) ``strides``, from its (batch, head): :func:`head_base`."""
+    return t.to(tl.int64) * strides[1] + h.to(tl.int64) * strides[2] + w.to(tl.int64) * strides[3]
+
+
+@triton.jit
+def load_rows(base, strides, t, h, w, cols, cols_ok):
+    """``[positions, len(cols)]`` rows of one (batch, head) of a ``(B, T, H, W, NH,
+    HD)`` tensor: ``base`` points at that batch and head (:func:`head_base`),
+    ``(t, h, w)`` are coordinates (in bounds), ``cols``/``cols_ok`` the head-dim
+    columns and which of them exist (the others read 0)."""
+    return tl.load(base + position_offsets(strides, t, h, w)[:, None] + cols[None, :],
+                   mask=cols_ok[None, :], other=0.0)
 
 
 # Non-finite inputs. A kernel's products combine every key of a box with every
@@ -544,6 +579,30 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
 
 
 @triton.jit
+def store_query_tile(OUT, out_strides, batch, head, qt, qh, qw, valid, x, d, d_ok, SAFE: tl.constexpr,
+                     CHECK: tl.constexpr, scale=None):
+    """A program's result over its box of queries (the forward's output, dQ):
+    ``x`` (times ``scale``, if given) stored into ``OUT`` at (batch, head) and the
+    positions ``(qt, qh, qw)`` that are ``valid``, in OUT's dtype. With ``SAFE``
+    the NaN marks that :func:`mark_reached` stored there first are laid over it.
+    Returns (with ``CHECK``) whether ``x`` holds an inf or NaN."""
+    base = head_base(OUT, out_strides, batch, head)
+    if SAFE:
+        marks = tl.load(base + position_offsets(out_strides, qt, qh, qw)[:, None] + d[None, :],
+                        mask=valid[:, None] & d_ok[None, :], other=0.0)
+        x = tl.where(marks != marks, float("nan"), x)
+    ptrs = base + position_offsets(out_strides, qt, qh, qw)[:, None] + d[None, :]
+    if CHECK:
+        nonfinite = has_nonfinite(x)
+    else:
+        nonfinite = tl.zeros([], tl.int1)
+    if scale is not None:
+        x = x * scale
+    tl.store(ptrs, x.to(OUT.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+    return nonfinite
+
+
+@triton.jit
 def nonfinite_rows(x):
     """Per row of the 2-D tile ``x``: whether it holds an inf or NaN (as
     :func:`has_nonfinite`, one sum per row). A row's sum stays within the threads
@@ -569,81 +628,49 @@ def count_nonfinite(visible, ok, count):
 
 
 @triton.jit
-def mark_reached_by_keys(OUT, out_rows, q_valid, src_base, stride_t, stride_h, stride_w, qt, qh, qw, T, H, W,
-                         KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1,
-                         HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                         KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-                         CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-                         STRIDED: tl.constexpr):
-    """For a program over a box of queries (the forward, dQ) whose final product
-    takes one row of ``src`` per key (V, K): store into its result tile in memory
-    (``OUT`` at row offsets ``out_rows``) NaN where a non-finite element of a
-    visible key's row reaches the element, 0 elsewhere. The program's scan over
-    its union of windows, counting only, ``CHANNELS`` at a time so that it holds
-    little, through pointers."""
-    steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
-    off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
+def mark_reached(OUT, out_rows, own_valid, src_base, src_strides, pt, ph, pw, T, H, W, KT, KH, KW, ST, SH, SW,
+                 s_t0, s_t1, s_h0, s_h1, s_w0, s_w1, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                 S_T: tl.constexpr, S_H: tl.constexpr, S_W: tl.constexpr,
+                 CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
+                 STRIDED: tl.constexpr, GROUP: tl.constexpr, OWN_ARE_QUERIES: tl.constexpr):
+    """For a program over a box of positions (its own, ``(pt, ph, pw)``: ``ROWS`` of
+    them, those in the grid ``own_valid``) whose final product takes one row of
+    ``src`` per scanned position (the forward: a value per key; dQ: a key per key;
+    dV: a dO row per query; dK: a query per query): store into its result tile in
+    memory (``OUT`` at row offsets ``out_rows``) NaN where a non-finite element of a
+    visible scanned row reaches the element, 0 elsewhere.
+
+    The program's scan, counting only, ``CHANNELS`` at a time so that it holds
+    little, through pointers: over ``[s0, s1)`` per axis in ``S_T x S_H x S_W`` boxes,
+    of ``GROUP`` heads of ``src`` from ``src_base`` on (``src_strides``, a head
+    apart). ``OWN_ARE_QUERIES``: the own positions are queries and the scanned ones
+    keys (forward, dQ), else the reverse (dK/dV). Scanned positions past the range
+    repeat its last one: counted twice, which the test for a count above 0 does
+    not mind."""
+    steps_h, steps_w, n_steps = box_steps(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1, S_T, S_H, S_W)
+    off_t, off_h, off_w = box_offsets(S_T, S_H, S_W)
     for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
         cols = c0 + tl.arange(0, CHANNELS)
-        count = tl.zeros([BLOCK_Q, CHANNELS], tl.float32)
-        i_t = tl.zeros([], tl.int32)
-        i_h = tl.zeros([], tl.int32)
-        i_w = tl.zeros([], tl.int32)
-        for _ in tl.range(n_steps, num_stages=1):
-            c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
-                                               KV_T, KV_H, KV_W)
-            offs = (tl.minimum(kt, ut1 - 1).to(tl.int64) * stride_t
-                    + tl.minimum(kh, uh1 - 1).to(tl.int64) * stride_h
-                    + tl.minimum(kw, uw1 - 1).to(tl.int64) * stride_w)
-            rows = tl.load(src_base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
-            _, ok = finite_part(rows)
-            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
-            count = count_nonfinite(visible, ok, count)
-            i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-        tl.store(OUT + out_rows[:, None] + cols[None, :],
-                 tl.where(count > 0, float("nan"), 0.0).to(OUT.dtype.element_ty),
-                 mask=q_valid[:, None] & (cols[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def mark_reached_by_queries(OUT, out_rows, k_valid, src_base, stride_n, stride_t, stride_h, stride_w, kt, kh, kw,
-                            T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1,
-                            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                            Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-                            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr,
-                            STRIDED: tl.constexpr, GROUP: tl.constexpr):
-    """:func:`mark_reached_by_keys` for a program over a box of keys (dK/dV) whose
-    final product takes one row of ``src`` per query (Q for dK, dO for dV): its
-    scan over the queries ``[q0, q1)`` per axis that see its keys, of each of the
-    ``GROUP`` query heads from ``src_base`` on (``stride_n`` apart)."""
-    steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
-    off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
-    for c0 in tl.static_range(0, HEAD_DIM, CHANNELS):
-        cols = c0 + tl.arange(0, CHANNELS)
-        count = tl.zeros([BLOCK_N, CHANNELS], tl.float32)
+        count = tl.zeros([ROWS, CHANNELS], tl.float32)
         base = src_base
         for _ in range(GROUP):
-            i_t = tl.zeros([], tl.int32)
-            i_h = tl.zeros([], tl.int32)
-            i_w = tl.zeros([], tl.int32)
+            i_t, i_h, i_w = first_box()
             for _ in tl.range(n_steps, num_stages=1):
-                c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
-                                                   Q_T, Q_H, Q_W)
-                # Queries past the range (neighbours, or repeats of its last one) are
-                # left out: a duplicate would count twice.
-                q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-                qt = tl.minimum(qt, qt1 - 1)
-                qh = tl.minimum(qh, qh1 - 1)
-                qw = tl.minimum(qw, qw1 - 1)
-                offs = qt.to(tl.int64) * stride_t + qh.to(tl.int64) * stride_h + qw.to(tl.int64) * stride_w
-                rows = tl.load(base + offs[:, None] + cols[None, :], mask=cols[None, :] < HEAD_DIM, other=0.0)
-                _, ok = finite_part(rows)
-                visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
+                c_t, c_h, c_w, st, sh, sw = box_at(i_t, i_h, i_w, s_t0, s_h0, s_w0, off_t, off_h, off_w, S_T, S_H, S_W)
+                st = tl.minimum(st, s_t1 - 1)
+                sh = tl.minimum(sh, s_h1 - 1)
+                sw = tl.minimum(sw, s_w1 - 1)
+                _, ok = finite_part(load_rows(base, src_strides, st, sh, sw, cols, cols < HEAD_DIM))
+                if OWN_ARE_QUERIES:
+                    visible = sees(pt, ph, pw, st, sh, sw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                   CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
+                else:
+                    visible = sees(st, sh, sw, pt, ph, pw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                   CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
                 count = count_nonfinite(visible, ok, count)
                 i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-            base += stride_n
+            base += src_strides[4]
         tl.store(OUT + out_rows[:, None] + cols[None, :],
                  tl.where(count > 0, float("nan"), 0.0).to(OUT.dtype.element_ty),
-                 mask=k_valid[:, None] & (cols[None, :] < HEAD_DIM))
+                 mask=own_valid[:, None] & (cols[None, :] < HEAD_DIM))
+    tl.debug_barrier()  # the marks are read back by other threads of the program

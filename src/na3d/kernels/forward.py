@@ -7,9 +7,10 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_offsets, box_steps, descriptor_origin, dilation_group, finite_part, group_base,
-                     has_nonfinite, key_scan_masks, key_scan_visible, load_key_box, mark_reached_by_keys, next_box,
-                     position_rows, query_box, run_programs, step_mask_bias)
+from .common import (box_at, box_offsets, box_steps, descriptor_origin, dilation_group, finite_part, first_box,
+                     head_base, head_columns, key_scan_masks, key_scan_visible, key_value_bases, load_key_box,
+                     load_rows, mark_reached, next_box, position_offsets, position_rows, query_box, run_programs,
+                     step_mask_bias, store_query_tile)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -96,60 +97,28 @@ def forward_tile(
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it. Dilated: the box lies in one dilation group, whose
     sub-grid ``T, H, W`` and tensors stand for the full ones from here on."""
-    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
-    tile, T, H, W, place = dilation_group(tile, T, H, W, DIL_T, DIL_H, DIL_W)
-    Q = group_base(Q, q_strides, place, DIL_T, DIL_H, DIL_W)
-    K = group_base(K, k_strides, place, DIL_T, DIL_H, DIL_W)
-    V = group_base(V, v_strides, place, DIL_T, DIL_H, DIL_W)
-    O = group_base(O, o_strides, place, DIL_T, DIL_H, DIL_W)
-    stride_qb, stride_qt, stride_qh, stride_qw, stride_qn = q_strides
-    stride_kb, stride_kt, stride_kh, stride_kw, stride_kn = k_strides
-    stride_vb, stride_vt, stride_vh, stride_vw, stride_vn = v_strides
-    stride_ob, stride_ot, stride_oh, stride_ow, stride_on = o_strides
+    tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, O), (q_strides, k_strides, v_strides,
+                                                                                o_strides), DIL_T, DIL_H, DIL_W)
+    Q, K, V, O = tensors
     BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
-    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
-    tl.static_assert(BLOCK_Q >= 16 and BLOCK_KV >= 16, "tl.dot needs tiles of at least 16")
     qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
         tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W,
-        DILATED)
+        DIL_T * DIL_H * DIL_W > 1)
 
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qn
-              + (qt.to(tl.int64) * stride_qt + qh.to(tl.int64) * stride_qh
-                 + qw.to(tl.int64) * stride_qw)[:, None] + d[None, :])
-    q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
-    kv_head = head // GROUP
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kn
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vn
-
+    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
+    q = load_rows(head_base(Q, q_strides, batch, head), q_strides, qt, qh, qw, d, d_ok)
+    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
     if SAFE:
-        o_rows = (batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on + qt.to(tl.int64) * stride_ot
-                  + qh.to(tl.int64) * stride_oh + qw.to(tl.int64) * stride_ow)
-        mark_reached_by_keys(
-            O, o_rows, q_valid, v_base, stride_vt, stride_vh, stride_vw, qt, qh, qw, T, H, W, KT, KH, KW,
-            ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, HEAD_DIM, BLOCK_Q, KV_T, KV_H, KV_W,
-            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)
-        tl.debug_barrier()  # the marks were stored by other threads of the program
+        mark_reached(head_base(O, o_strides, batch, head), position_offsets(o_strides, qt, qh, qw), q_valid,
+                     v_base, v_strides, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1,
+                     HEAD_DIM, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, 1, True)
     acc, m_i, l_i = forward_scan(
-        q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
-        batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok,
-        descriptor_origin(place, DIL_T, DIL_H, DIL_W), (heads // GROUP) * HEAD_DIM,
-        HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, SCALE_SIGN, USE_TMA,
-        MASK_T, MASK_H, MASK_W, SAFE)
-    out = acc / l_i[:, None]
-    if SAFE:
-        marks = tl.load(O + o_rows[:, None] + d[None, :], mask=q_valid[:, None] & d_ok[None, :], other=0.0)
-        out = tl.where(marks != marks, float("nan"), out)
-
-    o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_on
-              + (qt.to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
-                 + qw.to(tl.int64) * stride_ow)[:, None] + d[None, :])
-    if CHECK:
-        nonfinite = has_nonfinite(out)
-    else:
-        nonfinite = tl.zeros([], tl.int1)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_valid[:, None] & d_ok[None, :])
+        q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW,
+        ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, descriptor_origin(place, DIL_T, DIL_H, DIL_W),
+        (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W,
+        STRIDED, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
+    nonfinite = store_query_tile(O, o_strides, batch, head, qt, qh, qw, q_valid, acc / l_i[:, None], d, d_ok, SAFE,
+                                 CHECK)
     if STORE_LSE:
         lse_rows = position_rows(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
         # m_i is in log2 units of the scaled scores; convert to natural log.
@@ -159,9 +128,8 @@ def forward_tile(
 
 
 @triton.jit
-def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride_kw, stride_vt, stride_vh, stride_vw,
-                 batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale,
-                 d, d_ok, origin, kv_channels,
+def forward_scan(q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head, qt, qh, qw, T, H, W,
+                 KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, origin, kv_channels,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
                  CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
@@ -187,15 +155,12 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
     windows, fixed_bias, bits = key_scan_masks(
         qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
         CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE, MASKED)
-    i_t = tl.zeros([], tl.int32)
-    i_h = tl.zeros([], tl.int32)
-    i_w = tl.zeros([], tl.int32)
+    i_t, i_h, i_w = first_box()
     for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
                                            KV_T, KV_H, KV_W)
-        k = load_key_box(K_DESC, k_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_kt,
-                         stride_kh, stride_kw, d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D,
-                         USE_TMA and not SAFE)
+        k = load_key_box(K_DESC, k_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, k_strides,
+                         d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
         if ON_PRODUCT:
             bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
                                   bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
@@ -229,9 +194,8 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, stride_kt, stride_kh, stride
         else:
             p = tl.math.exp2(s * qk_scale - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_key_box(V_DESC, v_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, stride_vt,
-                         stride_vh, stride_vw, d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D,
-                         USE_TMA and not SAFE)
+        v = load_key_box(V_DESC, v_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, v_strides,
+                         d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
         if SAFE:
             v, _ = finite_part(v)
         acc = acc * alpha[:, None]
