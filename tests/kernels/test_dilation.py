@@ -42,7 +42,9 @@ CASES = [
 # Small boxes: several per group along every axis, and an extra one in the largest group.
 FWD = configs.ForwardConfig((2, 4, 4), (1, 4, 8), 4, 2)
 BWD = configs.BackwardConfig((2, 4, 4), (1, 4, 8), (2, 4, 4), (1, 4, 8), 4, 1)
-RUNS = [(case, dtype) for case in CASES for dtype in (torch.float32, torch.float16)]
+# bf16 on the GPU only (the interpreter mishandles its arithmetic).
+DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE == "cuda" else ())
+RUNS = [(case, dtype) for case in CASES for dtype in DTYPES]
 
 
 def inputs(case, dtype, seed):
@@ -51,8 +53,13 @@ def inputs(case, dtype, seed):
     return q, k[..., :kv_heads, :], v[..., :kv_heads, :]
 
 
-@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=(0, 3, 5, 8, 11, 13), ids=[
-    f"{i // 2}-{str(d)[6:]}" for i, (_, d) in enumerate(RUNS)]))
+KEEP = [RUNS.index(run) for run in ((CASES[0], torch.float32), (CASES[1], torch.float16), (CASES[2], torch.float16),
+                                    (CASES[4], torch.float32), (CASES[5], torch.float16), (CASES[6], torch.float16))]
+
+
+@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=KEEP + [i for i, (_, d) in enumerate(RUNS)
+                                                                      if d == torch.bfloat16],
+                                                   ids=[f"{CASES.index(c)}-{str(d)[6:]}" for c, d in RUNS]))
 def test_dilation_forward_and_backward(case, dtype):
     shape, _, kernel, dilation, causal, stride, _ = case
     q, k, v = inputs(case, dtype, seed=sum(shape))
@@ -64,7 +71,7 @@ def test_dilation_forward_and_backward(case, dtype):
     assert_matches_oracle(out, q, k, v, kernel, 0.3, **oracle_heads)
     _, want_lse = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=0.3, return_lse=True,
                                         **oracle_heads)
-    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=0, atol=2e-3 if dtype == torch.float16 else 1e-5)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-3)
     for fused in (False, True):
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
