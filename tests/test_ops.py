@@ -74,21 +74,26 @@ def test_eager_path_refuses_traced_calls():
         dq.sum().backward()
 
 
-def test_compiled_call_uses_the_operator(monkeypatch):
+@pytest.mark.parametrize("features", [{}, {"dilation": (1, 2, 1), "is_causal": (True, False, False)}],
+                         ids=["plain", "dilated-causal"])
+def test_compiled_call_uses_the_operator(features, monkeypatch):
     """torch.compile (fullgraph, AOTAutograd) traces the operator, not the eager path,
-    and its gradients equal the eager ones."""
-    q, k, v = make_qkv((1, 3, 4, 5, 2, 16), torch.float32, device=DEVICE, seed=6)
+    and its gradients equal the eager ones (dilation too: one operator call)."""
+    q, k, v = make_qkv((1, 3, 6, 5, 2, 16), torch.float32, device=DEVICE, seed=6)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(na3d.na3d(*leaves, 3), leaves, grad_out)
+    want = torch.autograd.grad(na3d.na3d(*leaves, 3, **features), leaves, grad_out)
     used = []
     real = ops.EagerAttention.apply
     monkeypatch.setattr(ops.EagerAttention, "apply", lambda *a: used.append(1) or real(*a))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b, c: na3d.na3d(a, b, c, 3), backend="aot_eager", fullgraph=True)
+    ops_called = []
+    real_forward = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a: ops_called.append(1) or real_forward(*a))
+    compiled = torch.compile(lambda a, b, c: na3d.na3d(a, b, c, 3, **features), backend="aot_eager", fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     got = torch.autograd.grad(compiled(*leaves), leaves, grad_out)
-    assert used == []
+    assert used == [] and len(ops_called) == 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
