@@ -38,6 +38,8 @@ CASES = [
     # that fold the groups (launch.box_descriptor), and run past their group's end.
     ((1, 4, 6, 8, 2, 16), 2, (2, 3, 3), (2, 2, 2), (False,) * 3, (1, 1, 1), "contiguous"),
     ((2, 6, 8, 5, 4, 32), 2, (3, 3, 3), (2, 2, 1), (True, False, False), (1, 2, 1), "contiguous"),  # GQA
+    ((1, 3, 8, 6, 2, 16), 2, (3, 3, 3), (1, 2, 2), (False, False, True), (1, 1, 1), "contiguous"),
+    ((1, 6, 4, 8, 2, 16), 2, (3, 3, 3), (2, 1, 2), (False,) * 3, (1, 1, 2), "contiguous"),
 ]
 # Small boxes: several per group along every axis, and an extra one in the largest group.
 FWD = configs.ForwardConfig((2, 4, 4), (1, 4, 8), 4, 2)
@@ -54,7 +56,8 @@ def inputs(case, dtype, seed):
 
 
 KEEP = [RUNS.index(run) for run in ((CASES[0], torch.float32), (CASES[1], torch.float16), (CASES[2], torch.float16),
-                                    (CASES[4], torch.float32), (CASES[5], torch.float16), (CASES[6], torch.float16))]
+                                    (CASES[4], torch.float32), (CASES[5], torch.float16), (CASES[6], torch.float16),
+                                    (CASES[7], torch.float16), (CASES[8], torch.float16))]
 
 
 @pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=KEEP + [i for i, (_, d) in enumerate(RUNS)

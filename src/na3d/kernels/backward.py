@@ -388,7 +388,6 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     finite part, with NaN where a visible key is non-finite (the count only runs
     when the program's keys hold a non-finite element)."""
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
-    DILATED: tl.constexpr = DIL_T * DIL_H * DIL_W > 1
     steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
     origin = descriptor_origin(place, DIL_T, DIL_H, DIL_W)
     if ACCUMULATE_DQ:
@@ -417,10 +416,19 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             delta, _ = tl.split(delta_pad)
             visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
                            CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
-            if DILATED:
-                # Past its group's end a box reads the next group's positions, not
-                # zeros: queries past the scanned range are masked out.
-                visible &= ((qt < qt1) & (qh < qh1) & (qw < qw1))[None, :]
+            if DIL_T > 1 or DIL_H > 1:
+                # The descriptors fold group gt into the H axis and gh into the W axis
+                # (launch.box_descriptor): there a box past its group's end reads the
+                # next group's positions, not zeros, so those queries are masked out.
+                # (Past the T axis' end, and past W's when only W is dilated, the
+                # reads are zeros, as without dilation.)
+                if DIL_T > 1 and DIL_H > 1:
+                    in_group = (qh < qh1) & (qw < qw1)
+                elif DIL_T > 1:
+                    in_group = qh < qh1
+                else:
+                    in_group = qw < qw1
+                visible &= in_group[None, :]
             if ACCUMULATE_DQ and not BULK_DQ:
                 q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
                 rows = position_rows(bh, hd, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
