@@ -72,7 +72,7 @@ def dilation_constexprs(dilation: Sequence[int]) -> dict:
 def group_strides(x: torch.Tensor, dilation: Sequence[int]) -> Tuple[int, ...]:
     """A ``(B, T, H, W, N, C)`` tensor's (b, t, h, w, head) strides as those of one
     dilation group's sub-grid: t, h and w times the dilation (``kernels/common.py``,
-    ``group_view``). Scaled here, where Triton sees their size and passes a stride
+    ``dilation_group``). Scaled here, where Triton sees their size and passes a stride
     past 2**31 as a 64-bit integer, so that the kernels keep 32-bit strides
     otherwise."""
     sb, st, sh, sw, sn = x.stride()[:5]

@@ -510,7 +510,7 @@ def load_rows(base, strides, t, h, w, cols, cols_ok):
 
 # Flags a safe kernel's program reads at once.
 FLAG_BLOCK = tl.constexpr(256)
-# Channels per pass of the counting scans (their count accumulators stay small).
+# Channels per pass of the counting scan (its count accumulators stay small).
 CHANNELS = tl.constexpr(16)
 
 
