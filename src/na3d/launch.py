@@ -98,7 +98,7 @@ def na3d_forward(
     ``is_causal`` (per axis T, H, W) selects causal windows along that axis;
     ``stride`` NATTEN's window-sharing stride per axis; ``dilation`` NATTEN's
     dilation per axis (every dilation group in the one launch; key and value boxes
-    then load through pointers, not descriptors). ``check_nonfinite``: the
+    go through descriptors only where :func:`foldable` allows). ``check_nonfinite``: the
     kernel checks its tiles and a second kernel recomputes those with an inf or
     NaN so that it stays inside its windows (kernels/common.py); False skips both
     (inputs known to be finite).
@@ -243,8 +243,7 @@ def foldable(lengths: Sequence[int], strides: Sequence[int], channels: int, dila
     no box of a group reads past the tensor) and packed inside the next outer axis
     (W: stride = channels; H: stride = W's stride x W; T: stride = H's x H)."""
     inner = [strides[1] * lengths[1], strides[2] * lengths[2], channels]  # what T, H, W's strides must be
-    return all(d == 1 or (L % d == 0 and (L == 1 or st == want))
-               for L, st, want, d in zip(lengths, strides, inner, dilation))
+    return all(d == 1 or (L % d == 0 and st == want) for L, st, want, d in zip(lengths, strides, inner, dilation))
 
 
 def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[int], block: Sequence[int],
@@ -258,9 +257,9 @@ def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[i
     is at ``(t, gt * H / dh + h, gh * W / dw + w, gw * C + c)``
     (``kernels/common.py``, ``descriptor_origin``). For a packed tensor this is a
     reshape, ``(B, T/dt, [dt, H/dh], [dh, W/dw], [dw, C])``: no two coordinates
-    address one element. A box running past its group
-    along an axis reads the next group's positions (outside every window of the
-    box's group, so the mask drops them), or zeros past the tensor. At dilation 1,
+    address one element. A box running past its group along the H axis (when T is
+    dilated) or the W axis (when H is) reads the next group's positions, which the
+    kernels mask; elsewhere, and past the tensor, it reads zeros. At dilation 1,
     the tensor as it is."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
