@@ -339,3 +339,17 @@ def test_bench_rows_record_gpu_time():
         ms = row["gpu_ms"]["na3d"]
         assert set(row["gpu_ms"]) == {"na3d"} and math.isfinite(ms) and abs(ms) < 1e3
         assert math.isfinite(row["gpu_x_floor"]["na3d"])
+
+
+@pytest.mark.gpu
+def test_feature_rows_replay_the_backward_in_graphs():
+    """feature_row's backward GPU time by graph replay, after its eager timings of the
+    retained graphs: the capture must not meet those graphs' leaves (values are not
+    asserted: timings are not tested)."""
+    device = torch.device("cuda")
+    spec = {"name": "small", "shape": [1, 4, 6, 10, 4, 64], "kernel_size": [3, 3, 5]}
+    timer, gpu_timer = Timer(device, flush_bytes=1 << 20), Timer(device, flush_bytes=1 << 20, graphs=True)
+    for feature in ("gqa-8on2", "lse", "dilation-122"):
+        row = bench.feature_row(spec, feature, "bwd", timer, device, gpu_timer=gpu_timer)
+        assert set(row["gpu_ms"]) == {"plain", "feature"}
+        assert all(math.isfinite(ms) for ms in row["gpu_ms"].values())

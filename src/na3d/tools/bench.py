@@ -711,8 +711,13 @@ def feature_calls(spec: dict, args: dict, pas: str, device, dtype=torch.bfloat16
         else:
             leaves = [t.detach().requires_grad_() for t in inputs]
             grads = (do, dlse) if method_args.get("return_lse") else do
+            # The graph replay takes leaves of its own: a retained autograd graph keeps
+            # its leaves' gradient-accumulator nodes alive, with the stream they were
+            # made on (the default one), and a capture that reaches them fails
+            # (cudaErrorStreamCaptureImplicit).
+            graph_leaves = [t.detach().requires_grad_() for t in inputs]
             calls[method] = (retained_backward(fn, leaves, grads),
-                             functools.partial(backward_gpu_ms, fn=fn, leaves=leaves, grads=grads))
+                             functools.partial(backward_gpu_ms, fn=fn, leaves=graph_leaves, grads=grads))
     return calls
 
 
