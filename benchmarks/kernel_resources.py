@@ -58,7 +58,7 @@ def resources(kernel, maxnreg, warps) -> dict:
             "loop_instructions": len(loop), "loop_spill_instructions": sum(("LDL" in t or "STL" in t) for t in loop)}
 
 
-def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), pointers=False):
+def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), pointers=False, group=1):
     from na3d import configs, geometry, launch
     from na3d.kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
     from na3d.kernels.forward import na3d_fwd_kernel
@@ -68,7 +68,7 @@ def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), 
     fwd = configs.forward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     bwd = configs.backward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     base = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), CAUSAL_T=causal[0], CAUSAL_H=causal[1],
-                CAUSAL_W=causal[2], STRIDED=False, CHECK=True, REDO=False, GROUP=1,
+                CAUSAL_W=causal[2], STRIDED=False, CHECK=True, REDO=False, GROUP=group,
                 USE_TMA=fwd.tma and HD in (16, 32, 64, 128) and not pointers,
                 **launch.dilation_constexprs(dilation))
     stride = (1, 1, 1)
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--dilation", type=int, nargs=3, default=(1, 1, 1), metavar=("T", "H", "W"),
                         help="NATTEN's dilation (boxes through descriptors that fold the groups: every dilated axis a multiple of its dilation)")
     parser.add_argument("--pointers", action="store_true", help="load through pointers where the table says TMA")
+    parser.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA; 1: multi-head)")
     args = parser.parse_args()
     if args.shape:
         specs = [{"name": args.name, "shape": args.shape, "kernel_size": args.kernel}]
@@ -118,7 +119,7 @@ def main() -> None:
     print(head)
     for spec in specs:
         for r in rows_for(spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"]),
-                          tuple(bool(c) for c in args.causal), tuple(args.dilation), args.pointers):
+                          tuple(bool(c) for c in args.causal), tuple(args.dilation), args.pointers, args.group):
             print(f"{r['name']:<18}{r['pass']:>5} {'x'.join(map(str, r['box'])):>10} "
                   f"{'x'.join(map(str, r['scanned'])):>10} {r['warps']:>5} {str(r['maxnreg'] or '-'):>4} "
                   f"{r['issued_per_useful']:>6} {r['registers']:>5} {r['spilled_bytes']:>7} {r['shared']:>7} "

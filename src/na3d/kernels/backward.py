@@ -321,25 +321,11 @@ def dkdv_tile(
                          CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    if GROUP == 1:
-        dk, dv = dkdv_scan(
-            dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-            q_strides, do_strides, batch, head, heads, bh, hd,
-            kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ADD_DQ,
-            USE_TMA, BULK_ADD_DQ, DIL_T, DIL_H, DIL_W, SAFE)
-    else:
-        n = q_head
-        for _ in range(GROUP):
-            dk, dv = dkdv_scan(
-                dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-                q_strides, do_strides, batch, n, heads, bh,
-                n.to(tl.int64), kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place,
-                qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
-                ADD_DQ, USE_TMA, BULK_ADD_DQ, DIL_T, DIL_H, DIL_W, SAFE)
-            n += 1
-            q_base += q_strides[4]
-            do_base += do_strides[4]
+    dk, dv = dkdv_scan(
+        dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
+        q_strides, do_strides, batch, q_head, heads, bh, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+        qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W,
+        CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, DIL_T, DIL_H, DIL_W, SAFE)
     if SAFE:
         in_tile = k_valid[:, None] & d_ok[None, :]
         marks = tl.load(head_base(DV, dv_strides, bh, hd) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
@@ -368,16 +354,20 @@ def dkdv_tile(
 
 @triton.jit
 def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-              q_strides, do_strides, batch, head, heads, bh, hd,
+              q_strides, do_strides, batch, first_head, heads, bh,
               kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
               CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
+              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
               DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr):
-    """The dK/dV kernel's scan over the query boxes of one query head (``head``,
-    ``hd``) that see its keys: ``(dk, dv)`` plus their terms, dK unscaled.
-    ``T, H, W`` and the positions are the dilation group's, ``place`` the group
+    """The dK/dV kernel's scan over the query boxes that see its keys, of the
+    ``GROUP`` query heads from ``first_head`` on (``q_base``, ``do_base``: that
+    head's Q and dO): ``(dk, dv)`` plus their terms, dK unscaled. The heads are
+    one scan, head after head (the box count carries into the head): one loop, so
+    that grouped heads cost the registers and pipeline of one head, not a loop
+    around the scan (NOTES v24: that spilled). ``T, H, W`` and the positions are
+    the dilation group's, ``place`` the group
     (``kernels.common.dilation_group``). ``SAFE``: the safe loop (``kernels.common``):
     ``dS`` masked by selection, the products by the finite parts of dO (for dV)
     and Q (for dK); not pipelined.
@@ -395,9 +385,12 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
         k_has_nonfinite = has_nonfinite(k)
     off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
     i_t, i_h, i_w = first_box()
-    for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
+    steps_t = tl.cdiv(qt1 - qt0, Q_T)
+    head = first_head
+    for _ in tl.range(n_steps * GROUP, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
                                            Q_T, Q_H, Q_W)
+        hd = head.to(tl.int64)
         if USE_TMA and not SAFE:
             # Every query box through descriptors. Positions past the scanned range
             # inside the grid see none of the box's keys (the mask drops them); past
@@ -440,8 +433,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             qh = tl.minimum(qh, qh1 - 1)
             qw = tl.minimum(qw, qw1 - 1)
             pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-            q = load_rows(q_base, q_strides, pt, ph, pw, d, d_ok)
-            do = load_rows(do_base, do_strides, pt, ph, pw, d, d_ok)
+            q = load_rows(q_base + (head - first_head) * q_strides[4], q_strides, pt, ph, pw, d, d_ok)
+            do = load_rows(do_base + (head - first_head) * do_strides[4], do_strides, pt, ph, pw, d, d_ok)
             rows = position_rows(bh, hd, heads, pt, ph, pw, place, DIL_T, DIL_H, DIL_W)
             stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
             lse2 = tl.load(stats)
@@ -478,6 +471,10 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
                 tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
                               mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
         i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+        if GROUP > 1:  # past the last box: the next head's first
+            wrap_t = i_t == steps_t
+            i_t = tl.where(wrap_t, 0, i_t)
+            head = tl.where(wrap_t, head + 1, head)
     return dk, dv
 
 
