@@ -385,11 +385,10 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
         k_has_nonfinite = has_nonfinite(k)
     off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
     i_t, i_h, i_w = first_box()
-    steps_t = tl.cdiv(qt1 - qt0, Q_T)
-    head = first_head
-    for _ in tl.range(n_steps * GROUP, num_stages=1 if SAFE else None):
+    for step in tl.range(n_steps * GROUP, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
                                            Q_T, Q_H, Q_W)
+        head = first_head + step % GROUP
         hd = head.to(tl.int64)
         if USE_TMA and not SAFE:
             # Every query box through descriptors. Positions past the scanned range
@@ -470,11 +469,14 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             else:
                 tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
                               mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
-        i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
-        if GROUP > 1:  # past the last box: the next head's first
-            wrap_t = i_t == steps_t
-            i_t = tl.where(wrap_t, 0, i_t)
-            head = tl.where(wrap_t, head + 1, head)
+        if GROUP > 1:  # the box's last head: the next box
+            n_t, n_h, n_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+            box_done = step % GROUP == GROUP - 1
+            i_t = tl.where(box_done, n_t, i_t)
+            i_h = tl.where(box_done, n_h, i_h)
+            i_w = tl.where(box_done, n_w, i_w)
+        else:
+            i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
     return dk, dv
 
 
