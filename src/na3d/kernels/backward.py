@@ -227,9 +227,9 @@ def na3d_bwd_dkdv_kernel(
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
     K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
     of queries, see ``queries_seeing``) in Q_T x Q_H x Q_W boxes, of each of the
-    ``GROUP`` query heads that read its key/value head in turn (grouped-query
-    attention: the group's sum, in a fixed order, without atomics). ``heads``
-    counts query heads.
+    ``GROUP`` query heads that read its key/value head (grouped-query attention:
+    each box's heads one after the other, the group's sum in a fixed order,
+    without atomics). ``heads`` counts query heads.
 
     With ``ACCUMULATE_DQ`` (the fused backward) each step also adds its ``dS^T K``
     (unscaled) atomically into ``DQ_ACC``: float32, contiguous
@@ -275,7 +275,7 @@ def dkdv_tile(
     DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
-    ``head * GROUP ...`` scanned in turn. Returns (with ``CHECK``) which of its rows
+    ``head * GROUP ...`` scanned together (``dkdv_scan``). Returns (with ``CHECK``) which of its rows
     of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
     Dilated: as the forward's tile, over a box of keys."""
     tile, T, H, W, place, tensors = dilation_group(
