@@ -364,9 +364,11 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     """The dK/dV kernel's scan over the query boxes that see its keys, of the
     ``GROUP`` query heads from ``first_head`` on (``q_base``, ``do_base``: that
     head's Q and dO): ``(dk, dv)`` plus their terms, dK unscaled. The heads are
-    one scan, head after head (the box count carries into the head): one loop, so
-    that grouped heads cost the registers and pipeline of one head, not a loop
-    around the scan (NOTES v24: that spilled). ``T, H, W`` and the positions are
+    one scan, innermost: step ``s`` takes head ``first_head + s % GROUP`` and the
+    box moves on after a box's last head. One loop, so that grouped heads cost the
+    registers and pipeline of one head, not a loop around the scan (NOTES v24:
+    that spilled), and a box's heads, adjacent in memory, are read one after the
+    other. ``T, H, W`` and the positions are
     the dilation group's, ``place`` the group
     (``kernels.common.dilation_group``). ``SAFE``: the safe loop (``kernels.common``):
     ``dS`` masked by selection, the products by the finite parts of dO (for dV)
