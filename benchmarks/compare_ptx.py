@@ -2,6 +2,8 @@
 
     python benchmarks/compare_ptx.py OLD_REV [NEW_REV]   # NEW_REV default: the working tree
     python benchmarks/compare_ptx.py OLD_REV --tma       # boxes through tensor descriptors, and the fused dK/dV
+    python benchmarks/compare_ptx.py OLD_REV --features  # causal, GQA, dilation, masks, lse, the safe launch
+    python benchmarks/compare_ptx.py OLD_REV --sass      # (with any of the above) the SASS ptxas makes of it
 
 Compiles the forward, dQ and dK/dV kernels for sm90 (no GPU needed) with every
 configuration of the sm90 table, non-causal, stride 1, deterministic backward, at
@@ -9,9 +11,22 @@ both revisions, and compares the PTX instructions (parameter numbering, comments
 debug sections and debug-only labels ignored). Identical instructions mean a
 benchmark measured at one revision holds for the other. Uses ``git worktree`` for
 the old revision.
+
+``--features``: instead, one configuration (the sm90 table's first), each kernel
+with each feature turned on in turn (with and without tensor descriptors): causal
+axes, strided windows, grouped heads, dilation, the mask modes, a negative and a
+zero scale, lse and dlse, the fused dK/dV, and the second (safe) launch. Flags a
+revision's kernels do not have are skipped.
+
+``--sass``: compare the machine code (sm90 SASS from Triton's ptxas, disassembled
+by its nvdisasm; addresses and encodings ignored) instead of the PTX. PTX that
+differs only in the order of independent instructions can still assemble to the
+same SASS, which is what runs. Where the SASS differs, the line says whether the
+key loops (``sass_loop.key_loops``: the scan's body) are still the same.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +37,7 @@ import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 root = sys.argv[1]
 tma_run = len(sys.argv) > 2 and sys.argv[2] == "tma"
+features_run = len(sys.argv) > 2 and sys.argv[2] == "features"
 sys.path[:0] = [root + "/src", root + "/tests/kernels", root + "/tests"]  # (tests/kernels: this layout)
 import test_compile_targets as t
 from triton.backends.compiler import GPUTarget
@@ -37,19 +53,57 @@ flags.update({"GROUP": 1} if "GROUP" in na3d_fwd_kernel.arg_names else {})
 # No dilation (revisions with dilation in the kernels).
 flags.update({f: 1 for f in ("DIL_T", "DIL_H", "DIL_W") if f in na3d_fwd_kernel.arg_names})
 tgt = GPUTarget("cuda", 90, 32)
+sass_run = os.environ.get("COMPARE_SASS") == "1"
+
+
+def code(kernel):
+    """The kernel's PTX, or (COMPARE_SASS=1) its SASS as ptxas made it."""
+    if not sass_run:
+        return kernel.asm["ptx"]
+    import subprocess, tempfile, triton
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
 res = {}
-for entry in t.configs_for("sm90"):
+FEATURES = {  # name: flags, and the kernels they apply to
+    "causal_t": (dict(CAUSAL_T=True), "fwd dq dkdv"),
+    "causal_thw": (dict(CAUSAL_T=True, CAUSAL_H=True, CAUSAL_W=True), "fwd dq dkdv"),
+    "strided": (dict(STRIDED=True), "fwd dq dkdv"),
+    "gqa4": (dict(GROUP=4), "fwd dq dkdv"),
+    "dil122": (dict(DIL_H=2, DIL_W=2), "fwd dq dkdv"),
+    "dil222": (dict(DIL_T=2, DIL_H=2, DIL_W=2), "fwd dq dkdv"),
+    "dil222_causal_gqa": (dict(DIL_T=2, DIL_H=2, DIL_W=2, CAUSAL_T=True, GROUP=2), "fwd dq dkdv"),
+    "mask_bits": (dict(MASK_T=1, MASK_H=1, MASK_W=1), "fwd dq"),
+    "mask_fixed_t": (dict(MASK_T=2, MASK_H=1, MASK_W=1), "fwd dq"),
+    "mask_fixed_all": (dict(MASK_T=2, MASK_H=2, MASK_W=2), "fwd dq"),
+    "scale_negative": (dict(SCALE_SIGN=-1), "fwd"),
+    "scale_zero": (dict(SCALE_SIGN=0), "fwd"),
+    "lse": (dict(STORE_LSE=True), "fwd"),
+    "dlse": (dict(HAS_DLSE=True), "dq"),
+    "fused": (dict(ACCUMULATE_DQ=True), "dkdv"),
+    "unchecked": (dict(CHECK=False), "fwd dq dkdv"),
+    "safe_launch": (dict(CHECK=False, REDO=True), "fwd dq dkdv"),
+    "safe_launch_dil_gqa": (dict(CHECK=False, REDO=True, DIL_H=2, GROUP=2, CAUSAL_W=True), "fwd dq dkdv"),
+}
+configs = list(t.configs_for("sm90"))
+if features_run:
+    configs = configs[:1]
+for entry in configs:
     bucket, (qt, kt, w, st, hd) = entry[0], entry[1]
     base = dict(HEAD_DIM=hd, BLOCK_D=hd, **flags)
     tiles = dict(Q_T=qt[0], Q_H=qt[1], Q_W=qt[2], KV_T=kt[0], KV_H=kt[1], KV_W=kt[2])
     dual = dict(K_T=qt[0], K_H=qt[1], K_W=qt[2], Q_T=kt[0], Q_H=kt[1], Q_W=kt[2])
     extra = {f: v for f, v in (("SCALE_SIGN", 1), ("USE_TMA", tma_run)) if f in na3d_fwd_kernel.arg_names}
-    res[bucket + "/fwd"] = t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra,
-                                                                    **plain_mask), w, st).asm["ptx"]
+    res[bucket + "/fwd"] = code(t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra,
+                                                                    **plain_mask), w, st))
     tma = {"USE_TMA": tma_run} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
     dq_plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_bwd_dq_kernel.arg_names}
-    res[bucket + "/dq"] = t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma,
-                                                                      **dq_plain_mask), w, max(1, st - 1)).asm["ptx"]
+    res[bucket + "/dq"] = code(t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma,
+                                                                      **dq_plain_mask), w, max(1, st - 1)))
     if "ACCUMULATE_DQ" in na3d_bwd_dkdv_kernel.arg_names:
         dual["ACCUMULATE_DQ"] = False
     dual.update(tma)
@@ -57,10 +111,27 @@ for entry in t.configs_for("sm90"):
         dual["BULK_DQ"] = False
     if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:  # a flag of revisions c07cec7..b2e21eb
         dual["STATS_TMA"] = False
-    res[bucket + "/dkdv"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)).asm["ptx"]
+    res[bucket + "/dkdv"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)))
     if tma_run and "BULK_DQ" in dual:  # the one-pass backward, dQ by bulk reductions
-        res[bucket + "/fused"] = t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dict(dual, ACCUMULATE_DQ=True,
-                                               BULK_DQ=True)), w, max(1, st - 1)).asm["ptx"]
+        res[bucket + "/fused"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dict(dual, ACCUMULATE_DQ=True,
+                                               BULK_DQ=True)), w, max(1, st - 1)))
+    if not features_run:
+        continue
+    kernels = dict(fwd=(na3d_fwd_kernel, dict(base, STORE_LSE=False, **tiles, **extra, **plain_mask), st),
+                   dq=(na3d_bwd_dq_kernel, dict(base, HAS_DLSE=False, **tiles, **tma, **dq_plain_mask), max(1, st - 1)),
+                   dkdv=(na3d_bwd_dkdv_kernel, dict(base, **dual), max(1, st - 1)))
+    for descriptors in (False, True):
+        for name, (flags_on, which) in FEATURES.items():
+            for kname in which.split():
+                kernel, constexprs, stages = kernels[kname]
+                if any(f not in kernel.arg_names for f in flags_on):
+                    continue
+                constexprs = dict(constexprs, **flags_on)
+                for f in ("USE_TMA", "BULK_DQ"):
+                    if f in constexprs:
+                        constexprs[f] = descriptors and (f == "USE_TMA" or constexprs.get("ACCUMULATE_DQ", False))
+                key = f"{name}{'/tma' if descriptors else ''}/{kname}"
+                res[key] = code(t.compile_for(kernel, tgt, constexprs, w, stages))
 print(json.dumps(res))
 '''
 
@@ -82,15 +153,25 @@ def instructions(ptx: str):
     return [re.sub(r"%[a-z]+\d+", rename, re.sub(r"_param_\d+", "_param_N", line)) for line in keep]
 
 
-def dump(root: str, tma: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", DUMP, root] + (["tma"] if tma else []), capture_output=True,
-                         text=True, check=True)
+def sass_instructions(sass: str):
+    """SASS instructions and labels, without addresses, encodings and comments."""
+    lines = (re.sub(r"/\*.*?\*/", "", line).strip() for line in sass.splitlines())
+    return [line for line in lines if line and not line.startswith(".") or line.endswith(":")]
+
+
+def dump(root: str, mode: str, sass: bool = False) -> dict:
+    env = dict(os.environ, COMPARE_SASS="1" if sass else "0")
+    out = subprocess.run([sys.executable, "-c", DUMP, root] + ([mode] if mode else []), capture_output=True,
+                         text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"compiling at {root} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    tma = "--tma" in sys.argv
-    revs = [a for a in sys.argv[1:] if a != "--tma"]
+    mode = "tma" if "--tma" in sys.argv else "features" if "--features" in sys.argv else ""
+    sass = "--sass" in sys.argv
+    revs = [a for a in sys.argv[1:] if a not in ("--tma", "--features", "--sass")]
     if not revs:
         print(__doc__)
         return 2
@@ -105,16 +186,23 @@ def main() -> int:
     if len(roots) == 1:
         roots.append(repo)
     try:
-        old, new = dump(roots[0], tma), dump(roots[1], tma)
+        old, new = dump(roots[0], mode, sass), dump(roots[1], mode, sass)
     finally:
         for tree in trees:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=repo)
     same = True
     for key in old:
-        a, b = instructions(old[key]), instructions(new.get(key, ""))
+        parse = sass_instructions if sass else instructions
+        a, b = parse(old[key]), parse(new.get(key, ""))
         ok = a == b
         same &= ok
-        print(f"{key:24} {len(a):6} instructions  {'same' if ok else 'DIFFERENT'}")
+        verdict = "same" if ok else "DIFFERENT"
+        if sass and not ok:
+            from sass_loop import key_loops  # (this folder)
+            loops_a = [[re.sub(r"/\*.*?\*/", "", t) for t in body] for body in key_loops(old[key])[1]]
+            loops_b = [[re.sub(r"/\*.*?\*/", "", t) for t in body] for body in key_loops(new.get(key, ""))[1]]
+            verdict += f" (key loops: {'same' if loops_a == loops_b else 'different'}, {len(b)} instructions now)"
+        print(f"{key:30} {len(a):6} instructions  {verdict}")
     print("identical" if same else "different")
     return 0 if same else 1
 

@@ -33,8 +33,8 @@ import triton.language as tl
 from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, descriptor_origin,
                      dilation_group, finite_part, first_box, grid_position, has_nonfinite, head_base, head_columns,
                      key_scan_masks, key_scan_visible, key_value_bases, load_rows, mark_reached, next_box,
-                     nonfinite_rows, position_offsets, position_rows, queries_seeing, query_box, run_programs, sees,
-                     step_mask_bias, store_query_tile)
+                     nonfinite_rows, position_offsets, position_rows, program_box, queries_seeing, query_program,
+                     run_programs, sees, step_mask_bias, store_query_tile)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -94,62 +94,50 @@ def na3d_bwd_dq_kernel(
 
     """
     run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
-                           q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides,
-                           T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D,
-                           Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, HAS_DLSE, USE_TMA,
-                           MASK_T, MASK_H, MASK_W, GROUP, DIL_T, DIL_H, DIL_W),
+                           (q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides),
+                           T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
+                           (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
+                           (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
 
 
 
 @triton.jit
 def dq_tile(
-    tile, head, batch, heads, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
-    q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides,
-    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-    GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    SAFE: tl.constexpr, CHECK: tl.constexpr,
+    tile, head, batch, heads, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, strides, T, H, W, window, tiling,
+    qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
+    WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
-    head (its keys and values: head ``head // GROUP``). Returns whether
+    head (its keys and values: head ``head // GROUP``), the kernel's arguments
+    grouped (``kernels.common``'s docstring). Returns whether
     its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
     reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
     the marks are laid over it (``kernels.common``). Dilated: as the forward's tile."""
-    tile, T, H, W, place, tensors = dilation_group(
-        tile, T, H, W, (Q, K, V, O, DO, DQ), (q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides),
-        DIL_T, DIL_H, DIL_W)
-    Q, K, V, O, DO, DQ = tensors
-    BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
-    qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
-        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W,
-        DIL_T * DIL_H * DIL_W > 1)
-
-    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
-    bh = batch.to(tl.int64)
-    hd = head.to(tl.int64)
-    pos_t, pos_h, pos_w = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-    q = load_rows(head_base(Q, q_strides, bh, hd), q_strides, pos_t, pos_h, pos_w, d, d_ok)
+    T, H, W, place, tensors, qt, qh, qw, q_valid, union, d, d_ok, q = query_program(
+        tile, batch, head, (Q, K, V, O, DO, DQ), strides, T, H, W, window, tiling, HEAD_DIM, BLOCK_D, Q_BOX,
+        WINDOW_FLAGS, DILATION)
+    _, K, V, O, DO, DQ = tensors
+    _, k_strides, v_strides, o_strides, do_strides, dq_strides = strides
+    BLOCK_Q: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     # (The safe way would store the same statistics again.)
     do, lse2, delta = query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, heads,
-                                       pos_t, pos_h, pos_w, q_valid, place, d, d_ok, HAS_DLSE, not SAFE,
-                                       DIL_T, DIL_H, DIL_W)
+                                       qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64), q_valid, place, d, d_ok,
+                                       HAS_DLSE, not SAFE, *DILATION)
 
-    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, bh, head, GROUP)
+    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
     if SAFE:
         mark_reached(head_base(DQ, dq_strides, batch, head), position_offsets(dq_strides, qt, qh, qw), q_valid,
-                     k_base, k_strides, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1,
-                     HEAD_DIM, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, 1, True)
+                     k_base, k_strides, qt, qh, qw, T, H, W, *window, *union,
+                     HEAD_DIM, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, 1, True)
     dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides,
-                 batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-                 ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, descriptor_origin(place, DIL_T, DIL_H, DIL_W),
-                 (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W,
-                 CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
+                 batch, kv_head, qt, qh, qw, T, H, W, *window,
+                 *union, qk_scale, d, d_ok, descriptor_origin(place, *DILATION),
+                 (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, *KV_BOX,
+                 *WINDOW_FLAGS, USE_TMA, *MASKS, SAFE)
     return store_query_tile(DQ, dq_strides, batch, head, qt, qh, qw, q_valid, dq, d, d_ok, SAFE, CHECK, scale)
 
 
@@ -255,35 +243,33 @@ def na3d_bwd_dkdv_kernel(
     program reads its share of the flags and ends.
     """
     run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-                             q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
-                             T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale, HEAD_DIM, BLOCK_D,
-                             K_T, K_H, K_W, Q_T, Q_H, Q_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, USE_TMA,
-                             ACCUMULATE_DQ, BULK_DQ, GROUP, DIL_T, DIL_H, DIL_W),
+                             (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
+                             T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
+                             (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
+                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ),
                  FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
 
 
 
 @triton.jit
 def dkdv_tile(
-    tile, head, batch, heads, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
-    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
-    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    tile, head, batch, heads, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, strides,
+    T, H, W, window, tiling, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_BOX: tl.constexpr,
+    Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
+    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
-    ``head * GROUP ...`` scanned together (``dkdv_scan``). Returns (with ``CHECK``) which of its rows
+    ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
+    grouped (``kernels.common``'s docstring; ``K_BOX``: the box of keys, ``Q_BOX``:
+    the scan's boxes of queries). Returns (with ``CHECK``) which of its rows
     of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
     Dilated: as the forward's tile, over a box of keys."""
-    tile, T, H, W, place, tensors = dilation_group(
-        tile, T, H, W, (Q, K, V, DO, DK, DV), (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
-        DIL_T, DIL_H, DIL_W)
+    tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, DO, DK, DV), strides, *DILATION)
     Q, K, V, DO, DK, DV = tensors
-    BLOCK_N: tl.constexpr = K_T * K_H * K_W
-    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides = strides
+    BLOCK_N: tl.constexpr = K_BOX[0] * K_BOX[1] * K_BOX[2]
+    BLOCK_M: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     tl.static_assert(BLOCK_N >= 16 and BLOCK_M >= 16, "tl.dot needs tiles of at least 16")
     # The safe way adds no dQ terms: the fused kernel's first launch added them the
     # safe way already.
@@ -291,52 +277,46 @@ def dkdv_tile(
     BULK_ADD_DQ: tl.constexpr = BULK_DQ and not SAFE
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored dK/dV row depends on them (dQ would: see below).
-    t0, h0, w0, kt, kh, kw, k_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, K_T, K_H, K_W,
-                                                     DIL_T * DIL_H * DIL_W > 1)
-    qt0, qt1 = queries_seeing(t0, tl.minimum(t0 + K_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
-    qh0, qh1 = queries_seeing(h0, tl.minimum(h0 + K_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
-    qw0, qw1 = queries_seeing(w0, tl.minimum(w0 + K_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
+    kt, kh, kw, k_valid, qt0, qt1, qh0, qh1, qw0, qw1 = program_box(
+        tile, *tiling, T, H, W, *window, *WINDOW_FLAGS, *K_BOX, DILATION[0] * DILATION[1] * DILATION[2] > 1,
+        queries_seeing)
 
     d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
-    bh = batch.to(tl.int64)
-    hd = head.to(tl.int64)
-    pos_t, pos_h, pos_w = kt.to(tl.int64), kh.to(tl.int64), kw.to(tl.int64)
-    k = load_rows(head_base(K, k_strides, bh, hd), k_strides, pos_t, pos_h, pos_w, d, d_ok)
-    v = load_rows(head_base(V, v_strides, bh, hd), v_strides, pos_t, pos_h, pos_w, d, d_ok)
+    k = load_rows(head_base(K, k_strides, batch, head), k_strides, kt, kh, kw, d, d_ok)
+    v = load_rows(head_base(V, v_strides, batch, head), v_strides, kt, kh, kw, d, d_ok)
     q_head = head * GROUP  # the group's first query head
-    q_base = head_base(Q, q_strides, bh, q_head)
-    do_base = head_base(DO, do_strides, bh, q_head)
+    q_base = head_base(Q, q_strides, batch, q_head)
+    do_base = head_base(DO, do_strides, batch, q_head)
 
     if SAFE:
         # dV elements a visible non-finite dO row reaches, and dK elements a
         # visible non-finite query reaches, are first marked NaN in DV and DK.
-        dk_rows = position_offsets(dk_strides, pos_t, pos_h, pos_w)
-        dv_rows = position_offsets(dv_strides, pos_t, pos_h, pos_w)
-        marked = ((head_base(DV, dv_strides, bh, hd), dv_rows, do_base, do_strides),
-                  (head_base(DK, dk_strides, bh, hd), dk_rows, q_base, q_strides))
+        dk_rows = position_offsets(dk_strides, kt, kh, kw)
+        dv_rows = position_offsets(dv_strides, kt, kh, kw)
+        marked = ((head_base(DV, dv_strides, batch, head), dv_rows, do_base, do_strides),
+                  (head_base(DK, dk_strides, batch, head), dk_rows, q_base, q_strides))
         for i in tl.static_range(2):
             out_base, out_rows, src_base, src_strides = marked[i]
-            mark_reached(out_base, out_rows, k_valid, src_base, src_strides, kt, kh, kw, T, H, W, KT, KH, KW,
-                         ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N, Q_T, Q_H, Q_W,
-                         CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, GROUP, False)
+            mark_reached(out_base, out_rows, k_valid, src_base, src_strides, kt, kh, kw, T, H, W, *window,
+                         qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N, *Q_BOX, *WINDOW_FLAGS, GROUP, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dk, dv = dkdv_scan(
         dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-        q_strides, do_strides, batch, q_head, heads, bh, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-        qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, Q_T, Q_H, Q_W,
-        CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, DIL_T, DIL_H, DIL_W, SAFE)
+        q_strides, do_strides, batch, q_head, heads, batch.to(tl.int64), kt, kh, kw, T, H, W, *window,
+        qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, *Q_BOX,
+        *WINDOW_FLAGS, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, *DILATION, SAFE)
     if SAFE:
         in_tile = k_valid[:, None] & d_ok[None, :]
-        marks = tl.load(head_base(DV, dv_strides, bh, hd) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
         dv = tl.where(marks != marks, float("nan"), dv)
-        marks = tl.load(head_base(DK, dk_strides, bh, hd) + dk_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        marks = tl.load(head_base(DK, dk_strides, batch, head) + dk_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
         dk = tl.where(marks != marks, float("nan"), dk)
 
     store = k_valid[:, None] & d_ok[None, :]
-    dk_ptrs = (head_base(DK, dk_strides, bh, hd) + position_offsets(dk_strides, pos_t, pos_h, pos_w)[:, None]
+    dk_ptrs = (head_base(DK, dk_strides, batch, head) + position_offsets(dk_strides, kt, kh, kw)[:, None]
                + d[None, :])
-    dv_ptrs = (head_base(DV, dv_strides, bh, hd) + position_offsets(dv_strides, pos_t, pos_h, pos_w)[:, None]
+    dv_ptrs = (head_base(DV, dv_strides, batch, head) + position_offsets(dv_strides, kt, kh, kw)[:, None]
                + d[None, :])
     dk = (dk * scale).to(DK.dtype.element_ty)
     dv = dv.to(DV.dtype.element_ty)

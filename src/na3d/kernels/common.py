@@ -7,6 +7,16 @@ others, and the non-causal code is unchanged by it. So is ``STRIDED`` (some axis
 has a NATTEN stride > 1): without it the stride arguments are never read and the
 code is that of stride 1. So are the dilations ``DIL_T/H/W``: at dilation 1 the
 code is that of a kernel without them (:func:`dilation_group`).
+
+The kernels take their arguments one by one (the launch's signature) and hand
+them to their tile functions (:func:`run_programs`) grouped, as tuples:
+``strides`` (one (b, t, h, w, n) tuple per tensor, in the tensors' order),
+``window = (KT, KH, KW, ST, SH, SW)``, ``tiling = (tiles_h, tiles_w)``, and the
+compile-time ``Q_BOX``/``KV_BOX``/``K_BOX`` (a box's T, H, W sizes),
+``WINDOW_FLAGS = (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)``, ``MASKS = (MASK_T,
+MASK_H, MASK_W)`` and ``DILATION = (DIL_T, DIL_H, DIL_W)``. A tuple goes on into
+the helpers spread (``*window``) or indexed (``Q_BOX[0]``): in Triton 3.6 a tuple
+of constants unpacked by an assignment is no longer constant.
 """
 
 import triton
@@ -202,19 +212,43 @@ def box_offsets(BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
 
 
 @triton.jit
-def query_box(tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW,
-              CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-              Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, DILATED: tl.constexpr):
-    """A program over a box of queries (the forward, dQ): the box's positions
-    ``(qt, qh, qw)`` and which are in the grid (:func:`box_of_program`), and the
-    union of their windows, one box of keys ``[u0, u1)`` per axis (window ends never
-    decrease with the query index)."""
-    tl.static_assert(Q_T * Q_H * Q_W >= 16, "tl.dot needs boxes of at least 16 queries")
-    t0, h0, w0, qt, qh, qw, q_valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W, DILATED)
-    ut0, ut1 = union_of_windows(t0, tl.minimum(t0 + Q_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
-    uh0, uh1 = union_of_windows(h0, tl.minimum(h0 + Q_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
-    uw0, uw1 = union_of_windows(w0, tl.minimum(w0 + Q_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
-    return qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1
+def program_box(tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW,
+                CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
+                B_T: tl.constexpr, B_H: tl.constexpr, B_W: tl.constexpr, DILATED: tl.constexpr,
+                scanned_range: tl.constexpr):
+    """A program's own box of positions: their coordinates ``(t, h, w)`` and which
+    are in the grid (:func:`box_of_program`), and the range its scan covers, ``[s0,
+    s1)`` per axis, by ``scanned_range``: :func:`union_of_windows` for a box of
+    queries (the forward, dQ: one box of keys, since window ends never decrease
+    with the query index), :func:`queries_seeing` for a box of keys (dK/dV).
+    Returns ``(t, h, w, valid, s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)``."""
+    tl.static_assert(B_T * B_H * B_W >= 16, "tl.dot needs boxes of at least 16 positions")
+    t0, h0, w0, t, h, w, valid = box_of_program(tile, tiles_h, tiles_w, T, H, W, B_T, B_H, B_W, DILATED)
+    s_t0, s_t1 = scanned_range(t0, tl.minimum(t0 + B_T, T) - 1, T, KT, ST, CAUSAL_T, STRIDED)
+    s_h0, s_h1 = scanned_range(h0, tl.minimum(h0 + B_H, H) - 1, H, KH, SH, CAUSAL_H, STRIDED)
+    s_w0, s_w1 = scanned_range(w0, tl.minimum(w0 + B_W, W) - 1, W, KW, SW, CAUSAL_W, STRIDED)
+    return t, h, w, valid, s_t0, s_t1, s_h0, s_h1, s_w0, s_w1
+
+
+@triton.jit
+def query_program(tile, batch, head, tensors, strides, T, H, W, window, tiling, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr):
+    """The set-up of a program over a box of queries (the forward, dQ), from the
+    kernel's grouped arguments (``window = (KT, KH, KW, ST, SH, SW)``, ``tiling =
+    (tiles_h, tiles_w)``, ``WINDOW_FLAGS = (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)``,
+    ``DILATION = (DIL_T, DIL_H, DIL_W)``): the program's dilation group
+    (:func:`dilation_group`; ``tensors`` moved there, Q first), its box and the
+    union of the box's windows (:func:`program_box`), the head's columns
+    (:func:`head_columns`) and the box's queries of ``(batch, head)``. Returns
+    ``(T, H, W, place, tensors, qt, qh, qw, q_valid, union, d, d_ok, q)``, the
+    lengths the group's, ``union = (ut0, ut1, uh0, uh1, uw0, uw1)``."""
+    tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, tensors, strides, *DILATION)
+    qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = program_box(
+        tile, *tiling, T, H, W, *window, *WINDOW_FLAGS, *Q_BOX, DILATION[0] * DILATION[1] * DILATION[2] > 1,
+        union_of_windows)
+    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
+    q = load_rows(head_base(tensors[0], strides[0], batch, head), strides[0], qt, qh, qw, d, d_ok)
+    return T, H, W, place, tensors, qt, qh, qw, q_valid, (ut0, ut1, uh0, uh1, uw0, uw1), d, d_ok, q
 
 
 @triton.jit

@@ -7,10 +7,9 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_offsets, box_steps, descriptor_origin, dilation_group, finite_part, first_box,
-                     head_base, head_columns, key_scan_masks, key_scan_visible, key_value_bases, load_key_box,
-                     load_rows, mark_reached, next_box, position_offsets, position_rows, query_box, run_programs,
-                     step_mask_bias, store_query_tile)
+from .common import (box_at, box_offsets, box_steps, descriptor_origin, finite_part, first_box, head_base,
+                     key_scan_masks, key_scan_visible, key_value_bases, load_key_box, mark_reached, next_box,
+                     position_offsets, position_rows, query_program, run_programs, step_mask_bias, store_query_tile)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -71,56 +70,50 @@ def na3d_fwd_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
-    run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, q_strides, k_strides, v_strides, o_strides,
-                                T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale, HEAD_DIM, BLOCK_D,
-                                Q_T, Q_H, Q_W, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, STORE_LSE,
-                                SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, GROUP, DIL_T, DIL_H, DIL_W),
+    run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, (q_strides, k_strides, v_strides, o_strides),
+                                T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, HEAD_DIM, BLOCK_D,
+                                (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
+                                (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, STORE_LSE, SCALE_SIGN,
+                                USE_TMA),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
 
 
 
 @triton.jit
 def forward_tile(
-    tile, head, batch, heads, Q, K, V, O, LSE, K_DESC, V_DESC, q_strides, k_strides, v_strides, o_strides,
-    T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-    CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-    STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
-    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    tile, head, batch, heads, Q, K, V, O, LSE, K_DESC, V_DESC, strides, T, H, W, window, tiling, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
+    WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
+    STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
+    The kernel's arguments come grouped (``kernels.common``'s docstring).
     Returns (with ``CHECK``) whether the output holds an inf or NaN. ``SAFE``: the
     safe way (``kernels.common``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it. Dilated: the box lies in one dilation group, whose
     sub-grid ``T, H, W`` and tensors stand for the full ones from here on."""
-    tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, O), (q_strides, k_strides, v_strides,
-                                                                                o_strides), DIL_T, DIL_H, DIL_W)
-    Q, K, V, O = tensors
-    BLOCK_Q: tl.constexpr = Q_T * Q_H * Q_W
-    qt, qh, qw, q_valid, ut0, ut1, uh0, uh1, uw0, uw1 = query_box(
-        tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, Q_T, Q_H, Q_W,
-        DIL_T * DIL_H * DIL_W > 1)
-
-    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
-    q = load_rows(head_base(Q, q_strides, batch, head), q_strides, qt, qh, qw, d, d_ok)
+    T, H, W, place, tensors, qt, qh, qw, q_valid, union, d, d_ok, q = query_program(
+        tile, batch, head, (Q, K, V, O), strides, T, H, W, window, tiling, HEAD_DIM, BLOCK_D, Q_BOX, WINDOW_FLAGS,
+        DILATION)
+    _, K, V, O = tensors
+    _, k_strides, v_strides, o_strides = strides
+    BLOCK_Q: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
     if SAFE:
         mark_reached(head_base(O, o_strides, batch, head), position_offsets(o_strides, qt, qh, qw), q_valid,
-                     v_base, v_strides, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1,
-                     HEAD_DIM, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, 1, True)
+                     v_base, v_strides, qt, qh, qw, T, H, W, *window, *union,
+                     HEAD_DIM, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, 1, True)
     acc, m_i, l_i = forward_scan(
-        q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW,
-        ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, descriptor_origin(place, DIL_T, DIL_H, DIL_W),
-        (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_T, KV_H, KV_W, CAUSAL_T, CAUSAL_H, CAUSAL_W,
-        STRIDED, SCALE_SIGN, USE_TMA, MASK_T, MASK_H, MASK_W, SAFE)
+        q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head, qt, qh, qw, T, H, W, *window,
+        *union, qk_scale, d, d_ok, descriptor_origin(place, *DILATION),
+        (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, SCALE_SIGN, USE_TMA, *MASKS,
+        SAFE)
     nonfinite = store_query_tile(O, o_strides, batch, head, qt, qh, qw, q_valid, acc / l_i[:, None], d, d_ok, SAFE,
                                  CHECK)
     if STORE_LSE:
-        lse_rows = position_rows(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
+        lse_rows = position_rows(batch, head, heads, qt, qh, qw, place, *DILATION)
         # m_i is in log2 units of the scaled scores; convert to natural log.
         tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
     # (A NaN lse comes with a NaN output row.)
