@@ -131,13 +131,14 @@ def test_compile_fullgraph_no_recompiles_across_resolutions():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay_forward_and_backward():
+@pytest.mark.parametrize("dilation", [(1, 1, 1), (2, 2, 2)], ids=["plain", "dilated"])
+def test_cuda_graph_capture_and_replay_forward_and_backward(dilation):
     shape, kernel = (1, 6, 16, 24, 4, 64), (3, 5, 5)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        out = na3d.na3d(q, k, v, kernel)
+        out = na3d.na3d(q, k, v, kernel, dilation=dilation)
         return (out,) + torch.autograd.grad(out, (q, k, v), grad_out)
 
     side = torch.cuda.Stream()
