@@ -12,8 +12,8 @@ debug sections and debug-only labels ignored). Identical instructions mean a
 benchmark measured at one revision holds for the other. Uses ``git worktree`` for
 the old revision.
 
-``--features``: instead, one configuration (the sm90 table's first), each kernel
-with each feature turned on in turn (with and without tensor descriptors): causal
+``--features``: only the sm90 table's first configuration, plain and then each
+kernel with each feature turned on in turn (with and without tensor descriptors): causal
 axes, strided windows, grouped heads, dilation, the mask modes, a negative and a
 zero scale, lse and dlse, the fused dK/dV, and the second (safe) launch. Flags a
 revision's kernels do not have are skipped.
@@ -57,7 +57,9 @@ sass_run = os.environ.get("COMPARE_SASS") == "1"
 
 
 def code(kernel):
-    """The kernel's PTX, or (COMPARE_SASS=1) its SASS as ptxas made it."""
+    """The kernel's PTX, or (COMPARE_SASS=1) its SASS as ptxas made it. (sass_loop.py
+    disassembles the same way; it is not imported here because it puts its own
+    tree's src first on sys.path, and this process compiles another revision's.)"""
     if not sass_run:
         return kernel.asm["ptx"]
     import subprocess, tempfile, triton
@@ -98,12 +100,8 @@ for entry in configs:
     tiles = dict(Q_T=qt[0], Q_H=qt[1], Q_W=qt[2], KV_T=kt[0], KV_H=kt[1], KV_W=kt[2])
     dual = dict(K_T=qt[0], K_H=qt[1], K_W=qt[2], Q_T=kt[0], Q_H=kt[1], Q_W=kt[2])
     extra = {f: v for f, v in (("SCALE_SIGN", 1), ("USE_TMA", tma_run)) if f in na3d_fwd_kernel.arg_names}
-    res[bucket + "/fwd"] = code(t.compile_for(na3d_fwd_kernel, tgt, dict(base, STORE_LSE=False, **tiles, **extra,
-                                                                    **plain_mask), w, st))
     tma = {"USE_TMA": tma_run} if "USE_TMA" in na3d_bwd_dq_kernel.arg_names else {}
     dq_plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_bwd_dq_kernel.arg_names}
-    res[bucket + "/dq"] = code(t.compile_for(na3d_bwd_dq_kernel, tgt, dict(base, HAS_DLSE=False, **tiles, **tma,
-                                                                      **dq_plain_mask), w, max(1, st - 1)))
     if "ACCUMULATE_DQ" in na3d_bwd_dkdv_kernel.arg_names:
         dual["ACCUMULATE_DQ"] = False
     dual.update(tma)
@@ -111,15 +109,18 @@ for entry in configs:
         dual["BULK_DQ"] = False
     if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:  # a flag of revisions c07cec7..b2e21eb
         dual["STATS_TMA"] = False
-    res[bucket + "/dkdv"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dual), w, max(1, st - 1)))
-    if tma_run and "BULK_DQ" in dual:  # the one-pass backward, dQ by bulk reductions
-        res[bucket + "/fused"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt, dict(base, **dict(dual, ACCUMULATE_DQ=True,
-                                               BULK_DQ=True)), w, max(1, st - 1)))
-    if not features_run:
-        continue
+    # kernel name: (kernel, compile-time arguments, pipeline stages)
     kernels = dict(fwd=(na3d_fwd_kernel, dict(base, STORE_LSE=False, **tiles, **extra, **plain_mask), st),
                    dq=(na3d_bwd_dq_kernel, dict(base, HAS_DLSE=False, **tiles, **tma, **dq_plain_mask), max(1, st - 1)),
                    dkdv=(na3d_bwd_dkdv_kernel, dict(base, **dual), max(1, st - 1)))
+    for kname, (kernel, constexprs, stages) in kernels.items():
+        res[f"{bucket}/{kname}"] = code(t.compile_for(kernel, tgt, constexprs, w, stages))
+    if tma_run and "BULK_DQ" in dual:  # the one-pass backward, dQ by bulk reductions
+        res[bucket + "/fused"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt,
+                                                    dict(base, **dict(dual, ACCUMULATE_DQ=True, BULK_DQ=True)),
+                                                    w, max(1, st - 1)))
+    if not features_run:
+        continue
     for descriptors in (False, True):
         for name, (flags_on, which) in FEATURES.items():
             for kname in which.split():
@@ -156,7 +157,7 @@ def instructions(ptx: str):
 def sass_instructions(sass: str):
     """SASS instructions and labels, without addresses, encodings and comments."""
     lines = (re.sub(r"/\*.*?\*/", "", line).strip() for line in sass.splitlines())
-    return [line for line in lines if line and not line.startswith(".") or line.endswith(":")]
+    return [line for line in lines if (line and not line.startswith(".")) or line.endswith(":")]
 
 
 def dump(root: str, mode: str, sass: bool = False) -> dict:

@@ -234,9 +234,7 @@ def program_box(tile, tiles_h, tiles_w, T, H, W, KT, KH, KW, ST, SH, SW,
 def query_program(tile, batch, head, tensors, strides, T, H, W, window, tiling, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr):
     """The set-up of a program over a box of queries (the forward, dQ), from the
-    kernel's grouped arguments (``window = (KT, KH, KW, ST, SH, SW)``, ``tiling =
-    (tiles_h, tiles_w)``, ``WINDOW_FLAGS = (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED)``,
-    ``DILATION = (DIL_T, DIL_H, DIL_W)``): the program's dilation group
+    kernel's grouped arguments (module docstring): the program's dilation group
     (:func:`dilation_group`; ``tensors`` moved there, Q first), its box and the
     union of the box's windows (:func:`program_box`), the head's columns
     (:func:`head_columns`) and the box's queries of ``(batch, head)``. Returns
