@@ -185,30 +185,112 @@ def forward_config(
     kernel_size: Triple,
     head_dim: int,
     dtype: torch.dtype,
+    stride: Triple = (1, 1, 1),
+    is_causal: Tuple[bool, bool, bool] = (False, False, False),
 ) -> ForwardConfig:
     """Launch configuration for the forward kernel on ``shape = (T, H, W)``.
+
+    With a stride, a bucket's ``strided`` entry adds boxes aligned to it
+    (:func:`stride_aligned_option`), and every option's products are counted with the
+    stride (and causal axes) of the call.
 
     Memoized: the choice depends only on these hashable arguments, and a call of the
     library should not pay for the table lookup again.
     """
-    table = load_table(arch)
-    for entry in table["forward"]:
-        if matches(entry.get("when", {}), head_dim, kernel_size, dtype):
-            break
-    else:
-        raise ValueError(f"config table for {arch} has no bucket for head_dim={head_dim}, "
-                         f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
+    entry = table_entry(arch, kernel_size, head_dim, dtype)
+    strided = any(s > 1 for s in stride)
+    if not strided:  # (the stride-1 choice counts products as the tables were tuned with)
+        is_causal = (False, False, False)
     best = None
-    for name, option in bucket_options(entry):
+    for name, option in bucket_options(entry, shape, kernel_size, stride, is_causal):
         if not matches(option.get("when", {}), head_dim, kernel_size, dtype):
             continue
         q_tile, kv_tile = fitted_tiles(option["q_tile"], option["kv_tile"], shape, kernel_size)
-        ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile)
-        if best is None or ratio < ALTERNATIVE_MARGIN * best[0]:
+        ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile, is_causal, stride)
+        # (The stride-aligned option, made for the call, wins a tie.)
+        if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
                                          option.get("tma", True), option.get("maxnreg"),
                                          bool(option.get("fixed_mask", True))))
     return best[1]
+
+
+def table_entry(arch: str, kernel_size: Sequence[int], head_dim: int, dtype: torch.dtype) -> Dict:
+    """The first bucket of ``arch``'s table whose ``when`` holds for the call."""
+    for entry in load_table(arch)["forward"]:
+        if matches(entry.get("when", {}), head_dim, kernel_size, dtype):
+            return entry
+    raise ValueError(f"config table for {arch} has no bucket for head_dim={head_dim}, "
+                     f"kernel_size={tuple(kernel_size)}, dtype={dtype}")
+
+
+def stride_aligned_option(strided: Dict, shape: Triple, kernel_size: Triple, stride: Triple,
+                          is_causal: Tuple[bool, bool, bool]) -> Dict:
+    """A bucket's ``strided`` entry made a configuration for one strided call.
+
+    The entry gives box sizes (``q_positions``, ``kv_positions``: queries and keys per
+    box, powers of two) and launch settings; the box sides are chosen here, among
+    all power-of-two sides, for the fewest products issued on the call's grid with
+    its stride (``geometry.issued_flops_ratio``), then for the largest share of
+    products in full box pairs (``geometry.full_products_share``: no mask). Where a
+    box of queries fits inside one stride group along an axis, its queries share one
+    window there, so key boxes that tile that window are seen whole: along every
+    axis where that holds, and the kernel's sides divide it, the kernels run without
+    masks (NATTEN's "perfectly block-sparse" case). The backward's boxes come the
+    same way: dQ takes the forward's, dK/dV boxes of keys (``kv_positions``)
+    scanning boxes of queries (``q_positions``), chosen for dK/dV's own products."""
+    q_tile, kv_tile = _aligned_boxes(shape, kernel_size, stride, is_causal, strided["q_positions"],
+                                     strided["kv_positions"], "queries")
+    k_box, q_box = _aligned_boxes(shape, kernel_size, stride, is_causal, strided["kv_positions"],
+                                  strided["q_positions"], "keys")
+    option = {key: value for key, value in strided.items() if key not in ("q_positions", "kv_positions", "why")}
+    backward = dict(strided.get("backward", {}), dq=[q_tile, kv_tile], dkdv=[k_box, q_box])
+    return dict(option, q_tile=q_tile, kv_tile=kv_tile, backward=backward)
+
+
+@functools.lru_cache(maxsize=256)
+def _aligned_boxes(shape: Triple, kernel_size: Triple, stride: Triple, is_causal: Tuple[bool, bool, bool],
+                   own_positions: int, scanned_positions: int, own: str) -> Tuple[Triple, Triple]:
+    # Per axis, each (own side, scanned side) pair's issued products and those in full
+    # pairs (both factor per axis), then the best product of the three axes.
+    def sides(axis):
+        return [1 << i for i in range(8) if (1 << i) < max(2, 2 * shape[axis])]  # (fit_tile keeps these)
+
+    # A product in a masked pair is counted MASKED_COST times one in a full pair.
+    counts = []
+    for axis in range(3):
+        table = {}
+        for own_side in sides(axis):
+            for scanned_side in sides(axis):
+                pairs = list(geometry.full_box_pairs_1d(shape[axis], kernel_size[axis], own_side, scanned_side,
+                                                        is_causal[axis], stride[axis], own))
+                table[own_side, scanned_side] = (sum(n for _, n in pairs), sum(n for full, n in pairs if full))
+        counts.append(table)
+    best = None
+    for own_box in _boxes(own_positions, [sides(a) for a in range(3)]):
+        for scanned_box in _boxes(scanned_positions, [sides(a) for a in range(3)]):
+            issued = full = 1
+            for axis in range(3):
+                n, f = counts[axis][own_box[axis], scanned_box[axis]]
+                issued *= n
+                full *= f
+            cost = full + MASKED_COST * (issued - full)
+            if best is None or cost < best[0]:
+                best = (cost, own_box, scanned_box)
+    if best is None:
+        raise ValueError(f"no boxes of {own_positions} and {scanned_positions} positions fit the grid {shape}")
+    return best[1], best[2]
+
+
+# How much more a product costs in a masked box pair than in a full one (the mask's
+# compares and selects per score), in the choice of stride-aligned boxes.
+MASKED_COST = 1.2
+
+
+def _boxes(positions: int, sides) -> list:
+    """Boxes ``(t, h, w)`` of ``positions`` positions with sides from ``sides`` (per axis)."""
+    return [(t, h, positions // (t * h)) for t in sides[0] for h in sides[1]
+            if positions % (t * h) == 0 and positions // (t * h) in sides[2]]
 
 
 def fitted_tiles(q_tile: Sequence[int], kv_tile: Sequence[int], shape: Triple,
@@ -225,11 +307,14 @@ def fitted_tiles(q_tile: Sequence[int], kv_tile: Sequence[int], shape: Triple,
 ALTERNATIVE_MARGIN = 0.95
 
 
-def bucket_options(entry: Dict):
+def bucket_options(entry: Dict, shape: Optional[Triple] = None, kernel_size: Optional[Triple] = None,
+                   stride: Triple = (1, 1, 1), is_causal: Tuple[bool, bool, bool] = (False, False, False)):
     """A bucket's configurations as ``(bucket name, entry)``: the entry itself, then
     its ``alternatives`` (same keys, plus a ``name``), named ``bucket/name``. An
     alternative may narrow its bucket's ``when`` with its own (a register cap sized
-    for one head dim).
+    for one head dim). For a strided call (``stride``, on ``shape`` with
+    ``kernel_size``), last, the bucket's ``strided`` entry made a configuration
+    (:func:`stride_aligned_option`), named ``bucket/strided``.
 
     The forward takes the option whose tiles issue the fewest products on the call's
     grid (``geometry.issued_flops_ratio`` after fitting, by the margin above): a
@@ -241,6 +326,9 @@ def bucket_options(entry: Dict):
     yield entry["bucket"], entry
     for alt in entry.get("alternatives", ()):
         yield f"{entry['bucket']}/{alt['name']}", alt
+    if "strided" in entry and any(s > 1 for s in stride):
+        yield f"{entry['bucket']}/strided", stride_aligned_option(entry["strided"], shape, kernel_size, stride,
+                                                                  is_causal)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -250,6 +338,8 @@ def backward_config(
     kernel_size: Triple,
     head_dim: int,
     dtype: torch.dtype,
+    stride: Triple = (1, 1, 1),
+    is_causal: Tuple[bool, bool, bool] = (False, False, False),
 ) -> BackwardConfig:
     """Launch configuration for the backward kernels on ``shape = (T, H, W)``.
 
@@ -258,11 +348,15 @@ def backward_config(
     forward's query boxes, scanning query boxes the shape of its key boxes), with
     fewer pipeline stages since each step loads two tiles (Q and dO) per operand.
     """
-    fwd = forward_config(arch, shape, kernel_size, head_dim, dtype)
+    fwd = forward_config(arch, shape, kernel_size, head_dim, dtype, stride, is_causal)
+    if not any(s > 1 for s in stride):
+        is_causal = (False, False, False)
     table = load_table(arch)
     entry = {}
     for candidate in table["forward"]:
-        for name, option in bucket_options(candidate):
+        if candidate["bucket"] != fwd.bucket.split("/")[0]:
+            continue
+        for name, option in bucket_options(candidate, shape, kernel_size, stride, is_causal):
             if name == fwd.bucket:
                 # An alternative without a backward entry of its own takes its bucket's.
                 entry = option if "backward" in option else dict(option, backward=candidate.get("backward"))

@@ -23,6 +23,7 @@ formulas; the grid of groups is ``kernels/common.py``'s ``dilation_group``.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Tuple, Union
 
 import torch
@@ -205,7 +206,8 @@ def neighborhood_mask(
     return mask.expand(*shape, *shape).reshape(n, n)
 
 
-def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, is_causal: bool = False) -> int:
+def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, is_causal: bool = False,
+                      stride: int = 1) -> int:
     """Query-key pairs a tiled kernel computes along one dimension.
 
     Queries are cut into runs of ``q_tile``; each run scans the union of its
@@ -214,13 +216,91 @@ def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, 
     ``prod(tile_key_pairs_1d) / prod(useful_pairs_1d)`` is the ratio of issued to
     useful QK^T products of a kernel tiled that way.
     """
-    total = 0
+    return sum(q_tile * len(steps) * kv_tile
+               for _, steps in key_scans_1d(length, kernel_size, q_tile, kv_tile, is_causal, stride))
+
+
+def key_scans_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, is_causal: bool = False,
+                 stride: int = 1):
+    """Along one axis, what a kernel over boxes of queries (the forward, dQ) scans:
+    per box of ``q_tile`` queries, ``(queries, steps)``: its queries inside the axis
+    and the ``[start, stop)`` of each box of ``kv_tile`` keys it visits (its union of
+    windows in steps from the union's start; the last may run past the union)."""
     for first in range(0, length, q_tile):
         last = min(first + q_tile, length) - 1
-        start, stop = union_of_windows(first, last, length, kernel_size, is_causal)
-        n_kv = -(-(stop - start) // kv_tile)
-        total += q_tile * n_kv * kv_tile
-    return total
+        start, stop = union_of_windows(first, last, length, kernel_size, is_causal, stride)
+        yield range(first, last + 1), [(c, c + kv_tile) for c in range(start, stop, kv_tile)]
+
+
+def query_scans_1d(length: int, kernel_size: int, k_tile: int, q_tile: int, is_causal: bool = False,
+                   stride: int = 1):
+    """The dual, for a kernel over boxes of keys (dK/dV): per box of ``k_tile`` keys,
+    ``(keys, steps)``: its keys inside the axis and the ``[start, stop)`` of each box
+    of ``q_tile`` queries it visits (:func:`queries_seeing`, in steps from its first)."""
+    for first in range(0, length, k_tile):
+        last = min(first + k_tile, length) - 1
+        start, stop = queries_seeing(first, last, length, kernel_size, is_causal, stride)
+        yield range(first, last + 1), [(c, c + q_tile) for c in range(start, stop, q_tile)]
+
+
+def full_box_pairs_1d(length: int, kernel_size: int, box: int, scanned_box: int, is_causal: bool = False,
+                      stride: int = 1, own: str = "queries"):
+    """Along one axis, per (program box, scanned box) pair of a tiled kernel, whether
+    the pair is **full**: every query of the one sees every key of the other, and the
+    scanned box lies inside the scanned range (so that it needs no mask along this
+    axis), and how many products it issues (``box * scanned_box``). ``own``:
+    ``"queries"`` for kernels over boxes of queries scanning keys (the forward, dQ),
+    ``"keys"`` for boxes of keys scanning queries (dK/dV). Yields ``(full, products)``.
+
+    A 3-D pair is full when it is full along every axis, and the kernels' scans are
+    products of the three axes' scans, so counts over the grid factor per axis.
+    Both window ends never decrease with the query index, so the keys every query
+    of a run ``first..last`` sees are ``[start(last), stop(first))``."""
+    if own == "queries":
+        scans, scanned_range = key_scans_1d, union_of_windows
+    else:
+        scans, scanned_range = query_scans_1d, queries_seeing
+    windows = axis_windows(length, kernel_size, is_causal, stride)
+    for positions, steps in scans(length, kernel_size, box, scanned_box, is_causal, stride):
+        scan_stop = scanned_range(positions[0], positions[-1], length, kernel_size, is_causal, stride)[1]
+        for lo, hi in steps:
+            # (A box running past the scanned range holds positions outside it.)
+            full = hi <= scan_stop
+            if full:
+                queries, keys = (positions, range(lo, hi)) if own == "queries" else (range(lo, hi), positions)
+                full = windows[queries[-1]][0] <= keys[0] and keys[-1] < windows[queries[0]][1]
+            yield full, box * scanned_box
+
+
+@functools.lru_cache(maxsize=1024)
+def axis_windows(length: int, kernel_size: int, is_causal: bool = False, stride: int = 1) -> Tuple[Tuple[int, int]]:
+    """Every query's window ``[start, stop)`` along one axis (dilation 1), memoized:
+    the box searches of ``configs`` ask for the same axis many times."""
+    return tuple(window_bounds(i, length, kernel_size, 1, is_causal, stride) for i in range(length))
+
+
+def block_sparse_axis(lengths: Sequence[int], kernel_size: int, box: int, scanned_box: int,
+                      is_causal: bool = False, stride: int = 1, own: str = "queries") -> bool:
+    """True when along one axis every pair that a kernel's programs visit is full
+    (:func:`full_box_pairs_1d`) on each axis length of ``lengths`` (with dilation,
+    the lengths of the dilation groups: each group runs at dilation 1 in its own
+    coordinates). Then that axis needs no mask at all: with stride, a box of queries
+    inside one stride group shares one window, and key boxes that tile it exactly
+    are seen whole (NATTEN's perfectly block-sparse case)."""
+    return all(full for length in set(lengths)
+               for full, _ in full_box_pairs_1d(length, kernel_size, box, scanned_box, is_causal, stride, own))
+
+
+def full_products_share(shape: Sequence[int], kernel_size: Sequence[int], box: Sequence[int],
+                        scanned_box: Sequence[int], is_causal: Sequence[bool] = (False, False, False),
+                        stride: Sequence[int] = (1, 1, 1), own: str = "queries") -> float:
+    """The share of a tiled kernel's issued products that fall in full box pairs
+    (no mask needed), over the grid ``shape`` at dilation 1."""
+    share = 1.0
+    for L, K, b, s, c, st in zip(shape, kernel_size, box, scanned_box, is_causal, stride):
+        pairs = list(full_box_pairs_1d(L, K, b, s, c, st, own))
+        share *= sum(n for full, n in pairs if full) / sum(n for _, n in pairs)
+    return share
 
 
 def useful_pairs_1d(length: int, kernel_size: int, is_causal: bool = False) -> int:
@@ -237,11 +317,12 @@ def issued_flops_ratio(
     q_tile: Sequence[int],
     kv_tile: Sequence[int],
     is_causal: Sequence[bool] = (False, False, False),
+    stride: Sequence[int] = (1, 1, 1),
 ) -> float:
     """Ratio of QK^T (and PV) products issued by a box-tiled kernel to useful ones."""
     issued = 1.0
     useful = 1.0
-    for L, K, qt, kt, c in zip(shape, kernel_size, q_tile, kv_tile, is_causal):
-        issued *= tile_key_pairs_1d(L, K, qt, kt, c)
+    for L, K, qt, kt, c, s in zip(shape, kernel_size, q_tile, kv_tile, is_causal, stride):
+        issued *= tile_key_pairs_1d(L, K, qt, kt, c, s)
         useful *= useful_pairs_1d(L, K, c)
     return issued / useful

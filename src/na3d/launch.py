@@ -6,6 +6,7 @@ arguments before anything here runs.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -33,22 +34,26 @@ def _arch(device: torch.device) -> str:
     return configs.device_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _table_config(lookup, q: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int]):
+def _table_config(lookup, q: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int],
+                  stride: Sequence[int], is_causal: Sequence[bool]):
     """``lookup`` (``configs.forward_config`` or ``backward_config``) for ``q``'s device,
     head dim and dtype, and the grid the kernels tile: with dilation, the largest
-    group's sub-grid (:func:`group_grid`)."""
+    group's sub-grid (:func:`group_grid`); with a stride, boxes may follow it."""
     HD = q.shape[-1]
-    return lookup(_arch(q.device), group_grid(q.shape[1:4], dilation), tuple(kernel_size), HD, q.dtype)
+    return lookup(_arch(q.device), group_grid(q.shape[1:4], dilation), tuple(kernel_size), HD, q.dtype,
+                  tuple(int(s) for s in stride), tuple(bool(c) for c in is_causal))
 
 
-def forward_config(q: torch.Tensor, kernel_size: Sequence[int],
-                   dilation: Sequence[int] = (1, 1, 1)) -> configs.ForwardConfig:
-    return _table_config(configs.forward_config, q, kernel_size, dilation)
+def forward_config(q: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int] = (1, 1, 1),
+                   stride: Sequence[int] = (1, 1, 1),
+                   is_causal: Sequence[bool] = (False, False, False)) -> configs.ForwardConfig:
+    return _table_config(configs.forward_config, q, kernel_size, dilation, stride, is_causal)
 
 
-def backward_config(q: torch.Tensor, kernel_size: Sequence[int],
-                    dilation: Sequence[int] = (1, 1, 1)) -> configs.BackwardConfig:
-    return _table_config(configs.backward_config, q, kernel_size, dilation)
+def backward_config(q: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int] = (1, 1, 1),
+                    stride: Sequence[int] = (1, 1, 1),
+                    is_causal: Sequence[bool] = (False, False, False)) -> configs.BackwardConfig:
+    return _table_config(configs.backward_config, q, kernel_size, dilation, stride, is_causal)
 
 
 def group_grid(spatial: Sequence[int], dilation: Sequence[int]) -> Tuple[int, int, int]:
@@ -112,7 +117,7 @@ def na3d_forward(
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
     group = NH // k.shape[4]  # query heads per key/value head
-    cfg = config or forward_config(q, kernel_size, dilation)
+    cfg = config or forward_config(q, kernel_size, dilation, stride, is_causal)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
@@ -137,7 +142,8 @@ def na3d_forward(
         GROUP=group,
         **dilation_constexprs(dilation),
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask,
-                     group_grid((T, H, W), dilation)))
+                     group_grid((T, H, W), dilation),
+                     block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)))
     na3d_fwd_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                       **configs.maxnreg_option(cfg.maxnreg))
@@ -150,13 +156,20 @@ def na3d_forward(
 
 
 # The kernels' window-mask modes per axis (``kernels/common.py``, MASK_*).
-MASK_PER_STEP, MASK_BITS, MASK_FIXED = 0, 1, 2
+MASK_PER_STEP, MASK_BITS, MASK_FIXED, MASK_NONE = 0, 1, 2, 3
 
 
 def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],
                is_causal: Sequence[bool], stride: Sequence[int], enabled: bool = True,
-               lengths: Optional[Sequence[int]] = None) -> dict:
+               lengths: Optional[Sequence[int]] = None,
+               full_axes: Sequence[bool] = (False, False, False)) -> dict:
     """``MASK_T/H/W`` for a kernel whose programs own ``box`` and scan ``scanned_box``.
+
+    ``MASK_NONE`` along the ``full_axes`` (:func:`block_sparse_axes`), where every
+    (box, scanned box) pair of every program is full: nothing there is masked. With
+    all three axes full the kernel's loop has no mask at all, whatever ``enabled``
+    says; with some, they count as a fixed axis below (their part of the mask is
+    nothing).
 
     ``MASK_FIXED`` along an axis where every program's union of windows fits one
     scanned box, whatever the grid (``geometry.union_width_bound``): the kernel
@@ -177,12 +190,33 @@ def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequ
     fixed = [bound <= n for bound, n in zip(bounds, scanned_box)]
     if lengths is not None:
         fixed = [f or length <= n for f, length, n in zip(fixed, lengths, scanned_box)]
-    if not enabled or not any(fixed):
+    if all(full_axes):
+        modes = [MASK_NONE] * 3
+    elif not enabled or not any(fixed) and not any(full_axes):
         modes = [MASK_PER_STEP] * 3
     else:
-        modes = [MASK_FIXED if f else MASK_BITS if bound <= 31 else MASK_PER_STEP
-                 for f, bound in zip(fixed, bounds)]
+        modes = [MASK_NONE if full else MASK_FIXED if f else MASK_BITS if bound <= 31 else MASK_PER_STEP
+                 for full, f, bound in zip(full_axes, fixed, bounds)]
     return {f"MASK_{axis}": mode for axis, mode in zip("THW", modes)}
+
+
+def block_sparse_axes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],
+                      is_causal: Sequence[bool], stride: Sequence[int], spatial: Sequence[int],
+                      dilation: Sequence[int], own: str = "queries") -> Tuple[bool, bool, bool]:
+    """Per axis, whether a kernel whose programs own ``box`` and scan ``scanned_box``
+    (``own``: ``"queries"`` for the forward and dQ, ``"keys"`` for dK/dV) sees only
+    full box pairs along it on the grid ``spatial`` (``geometry.block_sparse_axis``,
+    on the length of every dilation group: the kernels run each group at dilation 1
+    in its own coordinates). Exact for the call's grid, so the kernel may drop that
+    axis' mask (:func:`mask_modes`)."""
+    return tuple(_block_sparse_axis(tuple(sorted({-(-(L - g) // d) for g in range(d)})), K, b, n, bool(c), s, own)
+                 for L, d, K, b, n, c, s in zip(spatial, dilation, kernel_size, box, scanned_box, is_causal, stride))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_sparse_axis(lengths, kernel_size, box, scanned_box, is_causal, stride, own):
+    # (Memoized: the test walks every box of the axis, and a call should pay for it once.)
+    return geometry.block_sparse_axis(lengths, kernel_size, box, scanned_box, is_causal, stride, own)
 
 
 def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
@@ -309,7 +343,7 @@ def na3d_backward(
     B, T, H, W, NH, HD = q.shape
     KT, KH, KW = kernel_size
     group = NH // k.shape[4]  # query heads per key/value head
-    cfg = config or backward_config(q, kernel_size, dilation)
+    cfg = config or backward_config(q, kernel_size, dilation, stride, is_causal)
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq, dk, dv = grads
@@ -342,7 +376,9 @@ def na3d_backward(
         HAS_DLSE=grad_lse is not None, USE_TMA=use_tma,
         # A masked score must scale to -inf: the mask on the product only for a positive scale.
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
-                     group_grid((T, H, W), dilation)), **common)
+                     group_grid((T, H, W), dilation),
+                     block_sparse_axes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, (T, H, W),
+                                       dilation)), **common)
     na3d_bwd_dq_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
                                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                          **configs.maxnreg_option(cfg.dq_maxnreg))
@@ -374,8 +410,15 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
     dilation = [constexprs[f"DIL_{axis}"] for axis in "THW"]
     args = (*buffers, flags, *(group_strides(x, dilation) for x in strided), *sizes, tiles_h, tiles_w, n_tiles,
             NH, flags.numel(), scale * LOG2_E, scale)
+    # No mask in the loop where every (key box, query box) pair is full; the fused
+    # backward keeps its mask (keys past the grid must not reach dQ).
+    T, H, W, KT, KH, KW, ST, SH, SW = sizes
+    causal = [constexprs[f"CAUSAL_{axis}"] for axis in "THW"]
+    full = not constexprs["ACCUMULATE_DQ"] and all(block_sparse_axes(
+        cfg.dkdv_k_tile, cfg.dkdv_q_tile, (KT, KH, KW), causal, (ST, SH, SW), (T, H, W), dilation, own="keys"))
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
-                      Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2])
+                      Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
+                      **{f"MASK_{axis}": MASK_NONE if full else MASK_PER_STEP for axis in "THW"})
     kernel[(n_tiles, kv_heads, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False, num_warps=cfg.dkdv_warps,
                              num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg))
     if check_nonfinite:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, descriptor_origin,
                      dilation_group, finite_part, first_box, grid_position, has_nonfinite, head_base, head_columns,
-                     key_scan_masks, key_scan_visible, key_value_bases, load_rows, mark_reached, next_box,
+                     key_scan_masks, key_scan_visible, key_value_bases, load_rows, mark_reached, MASK_NONE, next_box,
                      nonfinite_rows, position_offsets, position_rows, program_box, queries_seeing, query_program,
                      run_programs, sees, step_mask_bias, store_query_tile)
 
@@ -158,7 +158,8 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_str
     steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
-    ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE
+    NO_MASK: tl.constexpr = (MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE) and not SAFE
+    ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE and not NO_MASK
     windows, fixed_bias, bits = key_scan_masks(
         qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
         CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE,
@@ -183,6 +184,9 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_str
             bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
                                   bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
+            p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        elif NO_MASK:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         else:
             visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h, off_w,
@@ -209,6 +213,7 @@ def na3d_bwd_dkdv_kernel(
     K_T: tl.constexpr, K_H: tl.constexpr, K_W: tl.constexpr, Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
+    MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     CHECK: tl.constexpr, REDO: tl.constexpr,
 ):
@@ -228,7 +233,10 @@ def na3d_bwd_dkdv_kernel(
     then read zeros for all four, so their terms are exact zeros without a range
     mask (dilated: the descriptors fold the groups, ``launch.box_descriptor``, and
     past a group's end the mask drops the next group's positions). Without it
-    ``STATS_DESC`` is never read. ``BULK_DQ``
+    ``STATS_DESC`` is never read. ``MASK_T/H/W``: ``MASK_NONE`` on all three axes
+    where the launcher has proven every (key box, query box) pair full
+    (``geometry.block_sparse_axis``): the loop then masks nothing; any other
+    value masks every step. ``BULK_DQ``
     (with ``ACCUMULATE_DQ``): the dQ additions as one bulk reduction per step
     through ``DQ_DESC`` (over ``DQ_ACC`` as ``(B, T, H, W, NH * BLOCK_D)``, same
     box) instead of an atomic per element; rows of queries outside the scanned
@@ -246,7 +254,8 @@ def na3d_bwd_dkdv_kernel(
                              (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
                              T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                              (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ),
+                             (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ,
+                             BULK_DQ),
                  FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
 
 
@@ -255,9 +264,9 @@ def na3d_bwd_dkdv_kernel(
 def dkdv_tile(
     tile, head, batch, heads, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, strides,
     T, H, W, window, tiling, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_BOX: tl.constexpr,
-    Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, SAFE: tl.constexpr,
-    CHECK: tl.constexpr,
+    Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr,
+    GROUP: tl.constexpr, USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr,
+    SAFE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
@@ -305,7 +314,8 @@ def dkdv_tile(
         dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
         q_strides, do_strides, batch, q_head, heads, batch.to(tl.int64), kt, kh, kw, T, H, W, *window,
         qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, *Q_BOX,
-        *WINDOW_FLAGS, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, *DILATION, SAFE)
+        *WINDOW_FLAGS, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, *DILATION,
+        MASKS[0] == MASK_NONE and MASKS[1] == MASK_NONE and MASKS[2] == MASK_NONE, SAFE)
     if SAFE:
         in_tile = k_valid[:, None] & d_ok[None, :]
         marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
@@ -340,7 +350,8 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
               Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
               CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
               ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
-              DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, SAFE: tl.constexpr):
+              DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, FULL_PAIRS: tl.constexpr,
+              SAFE: tl.constexpr):
     """The dK/dV kernel's scan over the query boxes that see its keys, of the
     ``GROUP`` query heads from ``first_head`` on (``q_base``, ``do_base``: that
     head's Q and dO): ``(dk, dv)`` plus their terms, dK unscaled. The heads are
@@ -352,7 +363,10 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     the dilation group's, ``place`` the group
     (``kernels.common.dilation_group``). ``SAFE``: the safe loop (``kernels.common``):
     ``dS`` masked by selection, the products by the finite parts of dO (for dV)
-    and Q (for dK); not pipelined.
+    and Q (for dK); not pipelined. ``FULL_PAIRS``: every query of every box
+    scanned sees every key of the program's box, and no box runs past the scanned
+    range (the launcher's ``MASK_NONE`` on all axes): the fast loop masks nothing
+    (the fused backward's keeps its mask: keys past the grid must not reach dQ).
 
     With ``ACCUMULATE_DQ`` (the fused backward, fast loop only) each step's dQ
     terms go out at once and cannot be taken back, so they are computed the safe
@@ -360,6 +374,7 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
     finite part, with NaN where a visible key is non-finite (the count only runs
     when the program's keys hold a non-finite element)."""
     BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    NO_MASK: tl.constexpr = FULL_PAIRS and not SAFE and not ACCUMULATE_DQ
     steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
     origin = descriptor_origin(place, DIL_T, DIL_H, DIL_W)
     if ACCUMULATE_DQ:
@@ -388,9 +403,10 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             lse2_pad, delta_pad = tl.split(stats)
             lse2, _ = tl.split(lse2_pad)
             delta, _ = tl.split(delta_pad)
-            visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
-            if DIL_T > 1 or DIL_H > 1:
+            if not NO_MASK:
+                visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
+            if (DIL_T > 1 or DIL_H > 1) and not NO_MASK:
                 # The descriptors fold group gt into the H axis and gh into the W axis
                 # (launch.box_descriptor): there a box past its group's end reads the
                 # next group's positions, not zeros, so those queries are masked out.
@@ -408,11 +424,13 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
                 rows = position_rows(bh, hd, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
         else:
             # Queries past the range (neighbours, or repeats of its last one) are
-            # masked out: a duplicate would count twice.
-            q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-            qt = tl.minimum(qt, qt1 - 1)
-            qh = tl.minimum(qh, qh1 - 1)
-            qw = tl.minimum(qw, qw1 - 1)
+            # masked out: a duplicate would count twice. (With NO_MASK no box runs
+            # past the range.)
+            if not NO_MASK:
+                q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
+                qt = tl.minimum(qt, qt1 - 1)
+                qh = tl.minimum(qh, qh1 - 1)
+                qw = tl.minimum(qw, qw1 - 1)
             pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
             q = load_rows(q_base + (head - first_head) * q_strides[4], q_strides, pt, ph, pw, d, d_ok)
             do = load_rows(do_base + (head - first_head) * do_strides[4], do_strides, pt, ph, pw, d, d_ok)
@@ -420,13 +438,17 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
             lse2 = tl.load(stats)
             delta = tl.load(stats + 1)
-            visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                           CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
+            if not NO_MASK:
+                visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
+                                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
         if ACCUMULATE_DQ:
             # Keys past the grid's end (repeats of the last one) must not reach dQ.
             visible = visible & k_valid[:, None]
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+        if NO_MASK:
+            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+        else:
+            p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         if SAFE:
             do_operand, _ = finite_part(do)
             q_operand, _ = finite_part(q)

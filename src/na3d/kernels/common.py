@@ -302,6 +302,9 @@ def next_box(i_t, i_h, i_w, steps_h, steps_w):
 MASK_PER_STEP = tl.constexpr(0)  # compare positions on every step (the plain mask)
 MASK_BITS = tl.constexpr(1)      # on every step, from per-query window bits shifted to the step
 MASK_FIXED = tl.constexpr(2)     # once per program: the scan never moves along this axis
+MASK_NONE = tl.constexpr(3)      # never: every query of every box sees every key of every box it scans
+                                 # (the launcher proves it for the call's grid: geometry.block_sparse_axis).
+# With MASK_NONE on all three axes the scan's loop runs without masks, as dense attention's does.
 
 
 @triton.jit
@@ -354,7 +357,7 @@ def step_mask_bias(fixed_bias, kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, o
     that move: one select per score (none when every axis is fixed). ``bt/bh/bw``:
     on ``MASK_BITS`` axes, each query's window bits shifted to this step's first key
     (``off_*``: the keys' offsets in the scanned box); per-step compares elsewhere."""
-    if MODE_T == MASK_FIXED and MODE_H == MASK_FIXED and MODE_W == MASK_FIXED:
+    if MODE_T >= MASK_FIXED and MODE_H >= MASK_FIXED and MODE_W >= MASK_FIXED:  # (nothing moves)
         return fixed_bias
     ok = step_visible(kt, kh, kw, st, et, sh, eh, sw, ew, bt, bh, bw, off_t, off_h, off_w,
                       MODE_T, MODE_H, MODE_W, fixed_bias.shape[0], fixed_bias.shape[1])

@@ -8,7 +8,7 @@ import triton.language as tl
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
 from .common import (box_at, box_offsets, box_steps, descriptor_origin, finite_part, first_box, head_base,
-                     key_scan_masks, key_scan_visible, key_value_bases, load_key_box, mark_reached, next_box,
+                     key_scan_masks, key_scan_visible, key_value_bases, load_key_box, mark_reached, MASK_NONE, next_box,
                      position_offsets, position_rows, query_program, run_programs, step_mask_bias, store_query_tile)
 
 
@@ -144,7 +144,9 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch,
     MASKED: tl.constexpr = float("inf") if SCALE_SIGN < 0 else float("-inf")
     # (A zero scale has no scores to add the bias to: it keeps the plain mask; so
     # does the safe loop, which must select, not add, the mask.)
-    ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0 and not SAFE
+    NO_MASK: tl.constexpr = (MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE) and not SAFE
+    ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0 and not SAFE and not NO_MASK
+    MASK_SCORES: tl.constexpr = not ON_PRODUCT and not NO_MASK
     windows, fixed_bias, bits = key_scan_masks(
         qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
         CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE, MASKED)
@@ -160,23 +162,28 @@ def forward_scan(q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch,
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h, off_w,
-                                       T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
-                                       MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, SAFE)
+            if MASK_SCORES:
+                visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h,
+                                           off_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W,
+                                           STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV,
+                                           SAFE)
         # The row maximum of the scaled scores is taken on the raw ones (the scale's
         # sign picks max or min), so that scaling and subtracting it fuse into one
         # FMA per score.
         if SCALE_SIGN > 0:
-            if not ON_PRODUCT:
+            if MASK_SCORES:
                 s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         elif SCALE_SIGN < 0:
-            if not ON_PRODUCT:
+            if MASK_SCORES:
                 s = tl.where(visible, s, float("inf"))
             m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
         else:
             # 0 * score keeps a non-finite score non-finite, as scaling it would.
-            s = tl.where(visible, s * 0.0, float("-inf"))
+            if MASK_SCORES:
+                s = tl.where(visible, s * 0.0, float("-inf"))
+            else:
+                s = s * 0.0
             m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes
         # its exponentials exactly 0 rather than NaN.
