@@ -82,6 +82,8 @@ FEATURES = {  # name: flags, and the kernels they apply to
     "mask_bits": (dict(MASK_T=1, MASK_H=1, MASK_W=1), "fwd dq"),
     "mask_fixed_t": (dict(MASK_T=2, MASK_H=1, MASK_W=1), "fwd dq"),
     "mask_fixed_all": (dict(MASK_T=2, MASK_H=2, MASK_W=2), "fwd dq"),
+    "mask_none": (dict(MASK_T=3, MASK_H=3, MASK_W=3), "fwd dq dkdv"),
+    "mask_none_w_fixed_t": (dict(MASK_T=2, MASK_H=1, MASK_W=3), "fwd dq"),
     "scale_negative": (dict(SCALE_SIGN=-1), "fwd"),
     "scale_zero": (dict(SCALE_SIGN=0), "fwd"),
     "lse": (dict(STORE_LSE=True), "fwd"),
@@ -107,6 +109,8 @@ for entry in configs:
     dual.update(tma)
     if "BULK_DQ" in na3d_bwd_dkdv_kernel.arg_names:
         dual["BULK_DQ"] = False
+    if "MASK_T" in na3d_bwd_dkdv_kernel.arg_names:  # (block-sparse dK/dV, from 87fae80 on)
+        dual.update(MASK_T=0, MASK_H=0, MASK_W=0)
     if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:  # a flag of revisions c07cec7..b2e21eb
         dual["STATS_TMA"] = False
     # kernel name: (kernel, compile-time arguments, pipeline stages)

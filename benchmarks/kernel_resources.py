@@ -80,7 +80,7 @@ def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), 
          dict(HAS_DLSE=False, **launch.mask_modes(bwd.dq_q_tile, bwd.dq_kv_tile, kernel_size, causal, stride,
                                                   bwd.fixed_mask, grid))),
         ("dkdv", na3d_bwd_dkdv_kernel, bwd.dkdv_k_tile, bwd.dkdv_q_tile, bwd.dkdv_warps, bwd.dkdv_stages,
-         bwd.dkdv_maxnreg, dict(ACCUMULATE_DQ=False, BULK_DQ=False)),
+         bwd.dkdv_maxnreg, dict(ACCUMULATE_DQ=False, BULK_DQ=False, MASK_T=0, MASK_H=0, MASK_W=0)),
     ]
     for pas, fn, box, scanned, warps, stages, maxnreg, extra in passes:
         if pas == "dkdv":

@@ -74,6 +74,8 @@ def main() -> None:
                         help="forward, dq: axes (of t, h, w) whose mask is computed once per program, e.g. 'w'")
     parser.add_argument("--bits", default="", metavar="AXES",
                         help="forward, dq: moving axes masked from window bits (needs a --fixed axis), e.g. 'th'")
+    parser.add_argument("--none", default="", metavar="AXES",
+                        help="axes proven block-sparse (MASK_NONE), e.g. 'thw' (dkdv: all three or none)")
     parser.add_argument("--dilation", type=int, nargs=3, default=[1, 1, 1], metavar=("T", "H", "W"),
                         help="NATTEN's dilation")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
@@ -95,9 +97,9 @@ def main() -> None:
         fn = na3d_fwd_kernel if args.kernel == "forward" else na3d_bwd_dq_kernel
         constexprs.update(Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
         constexprs.update(dict(STORE_LSE=False, SCALE_SIGN=1) if args.kernel == "forward" else dict(HAS_DLSE=False))
-    if args.kernel != "dkdv":  # launch.mask_modes: 0 per step, 1 window bits, 2 fixed
-        constexprs.update({f"MASK_{axis.upper()}": 2 if axis in args.fixed else 1 if axis in args.bits else 0
-                           for axis in "thw"})
+    # launch.mask_modes: 0 per step, 1 window bits, 2 fixed, 3 none
+    constexprs.update({f"MASK_{axis.upper()}": 3 if axis in args.none else 2 if axis in args.fixed
+                       else 1 if axis in args.bits else 0 for axis in "thw"})
     kernel = compile_for(fn, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])

@@ -238,11 +238,15 @@ def stride_aligned_option(strided: Dict, shape: Triple, kernel_size: Triple, str
     axis where that holds, and the kernel's sides divide it, the kernels run without
     masks (NATTEN's "perfectly block-sparse" case). The backward's boxes come the
     same way: dQ takes the forward's, dK/dV boxes of keys (``kv_positions``)
-    scanning boxes of queries (``q_positions``), chosen for dK/dV's own products."""
+    scanning boxes of queries (``q_positions``), chosen for dK/dV's own products.
+    On a grid too small for boxes of those sizes, smaller ones (at least 16
+    positions); None where not even those fit."""
     q_tile, kv_tile = _aligned_boxes(shape, kernel_size, stride, is_causal, strided["q_positions"],
                                      strided["kv_positions"], "queries")
     k_box, q_box = _aligned_boxes(shape, kernel_size, stride, is_causal, strided["kv_positions"],
                                   strided["q_positions"], "keys")
+    if q_tile is None or k_box is None:
+        return None
     option = {key: value for key, value in strided.items() if key not in ("q_positions", "kv_positions", "why")}
     backward = dict(strided.get("backward", {}), dq=[q_tile, kv_tile], dkdv=[k_box, q_box])
     return dict(option, q_tile=q_tile, kv_tile=kv_tile, backward=backward)
@@ -255,6 +259,11 @@ def _aligned_boxes(shape: Triple, kernel_size: Triple, stride: Triple, is_causal
     # pairs (both factor per axis), then the best product of the three axes.
     def sides(axis):
         return [1 << i for i in range(8) if (1 << i) < max(2, 2 * shape[axis])]  # (fit_tile keeps these)
+
+    largest = math.prod(sides(axis)[-1] for axis in range(3))
+    own_positions, scanned_positions = min(own_positions, largest), min(scanned_positions, largest)
+    if min(own_positions, scanned_positions) < 16:  # (tl.dot's smallest operand)
+        return None, None
 
     # A product in a masked pair is counted MASKED_COST times one in a full pair.
     counts = []
@@ -277,8 +286,6 @@ def _aligned_boxes(shape: Triple, kernel_size: Triple, stride: Triple, is_causal
             cost = full + MASKED_COST * (issued - full)
             if best is None or cost < best[0]:
                 best = (cost, own_box, scanned_box)
-    if best is None:
-        raise ValueError(f"no boxes of {own_positions} and {scanned_positions} positions fit the grid {shape}")
     return best[1], best[2]
 
 
@@ -327,8 +334,9 @@ def bucket_options(entry: Dict, shape: Optional[Triple] = None, kernel_size: Opt
     for alt in entry.get("alternatives", ()):
         yield f"{entry['bucket']}/{alt['name']}", alt
     if "strided" in entry and any(s > 1 for s in stride):
-        yield f"{entry['bucket']}/strided", stride_aligned_option(entry["strided"], shape, kernel_size, stride,
-                                                                  is_causal)
+        option = stride_aligned_option(entry["strided"], shape, kernel_size, stride, is_causal)
+        if option is not None:
+            yield f"{entry['bucket']}/strided", option
 
 
 @functools.lru_cache(maxsize=1024)

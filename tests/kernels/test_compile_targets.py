@@ -100,7 +100,8 @@ def configs_for(arch):
         wide = bucket.get("when", {}).get("head_dim_min", 0) > 128
         # A bucket's alternatives are compiled too, with their own backward entry or
         # the bucket's.
-        for name, entry in configs.bucket_options(bucket):
+        # A strided call's boxes (configs.stride_aligned_option), on NATTEN's showcase.
+        for name, entry in configs.bucket_options(bucket, (30, 48, 80), (18, 24, 24), (2, 8, 8)):
             for head_dim in (256,) if wide else (64, 128):
                 if head_dim > entry.get("when", {}).get("head_dim_max", head_dim):
                     continue
@@ -113,8 +114,10 @@ def configs_for(arch):
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.
 CAUSAL_CYCLE = [(False, False, False), (True, False, False), (False, True, True), (True, True, False)]
-# Window-mask modes per axis (launch.mask_modes: 0 per step, 1 window bits, 2 once per program).
-MASK_CYCLE = [(1, 1, 2), (2, 2, 0), (0, 2, 2), (2, 2, 2), (2, 1, 1)]
+# Window-mask modes per axis (launch.mask_modes: 0 per step, 1 window bits, 2 once per program,
+# 3 none: the axis is block-sparse).
+MASK_CYCLE = [(1, 1, 2), (2, 2, 0), (0, 2, 2), (2, 2, 2), (2, 1, 1), (3, 3, 3), (3, 2, 1), (0, 3, 3)]
+PLAIN_MASKS = dict(MASK_T=0, MASK_H=0, MASK_W=0)
 # Dilations, cycled over the configurations on the pointer path (dilated calls do
 # not use descriptors).
 DILATION_CYCLE = [(1, 2, 2), (1, 1, 1), (2, 2, 2), (3, 1, 2)]
@@ -187,6 +190,8 @@ def compile_all(arch, first_only=False):
             modes = (0, 0, 0) if (i + use_tma) % 2 == 1 else MASK_CYCLE[i % len(MASK_CYCLE)]
             modes = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes))
             dil = dict(DIL_T=1, DIL_H=1, DIL_W=1) if use_tma else dilated
+            # dK/dV: mask-free (every pair full) on every other configuration.
+            dkdv_masks = dict.fromkeys(("MASK_T", "MASK_H", "MASK_W"), 3 if (i + use_tma) % 2 else 0)
             dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, CHECK=True, REDO=False, **tiles,
                                                                    **modes, **dil),
                                   dq_warps, dq_stages, dq_cap), "dQ")
@@ -194,13 +199,13 @@ def compile_all(arch, first_only=False):
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
             dkdv = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                     dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, CHECK=True, REDO=False,
-                                         **dual, **dil),
+                                         **dual, **dil, **dkdv_masks),
                                     dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
             fused = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                      dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, CHECK=True, REDO=False,
-                                          **dual, **dil),
+                                          **dual, **dil, **PLAIN_MASKS),
                                      dkdv_warps, dkdv_stages, dkdv_cap), "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma == (arch == "sm90"):
@@ -209,7 +214,7 @@ def compile_all(arch, first_only=False):
                      "dQ's second launch")
                 fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                  dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, CHECK=False,
-                                      REDO=True, **dual, **dil), dkdv_warps, 1), "dK/dV's second launch")
+                                      REDO=True, **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1), "dK/dV's second launch")
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"

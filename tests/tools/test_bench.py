@@ -65,11 +65,14 @@ def test_bwd_rows_record_their_ratio_to_the_forward(capsys):
 
 
 def test_shape_groups():
-    ltx, dit, every = bench_shapes(), bench_shapes("dit"), bench_shapes("all")
+    ltx, dit, strided, every = bench_shapes(), bench_shapes("dit"), bench_shapes("strided"), bench_shapes("all")
     # The default is the LTX group: the tuner, the GPU tests and the A/B scripts keep their shapes.
     assert bench_shapes("ltx") == ltx and [s["name"] for s in ltx][0] == "ltx-stage1" and len(ltx) == 6
     assert [s["name"] for s in dit] == ["dit-hunyuan", "dit-wan", "dit-small-window"]
-    assert every == ltx + dit
+    assert every == ltx + dit + strided
+    # Strided rows: NATTEN's showcase stride, a stride larger than any box, and head dim 64.
+    assert [s["stride"] for s in strided] == [[2, 8, 8], [2, 8, 16], [4, 4, 8]]
+    assert {s["shape"][-1] for s in strided} == {64, 128}
     assert {s["shape"][-1] for s in ltx} == {64} and {s["shape"][-1] for s in dit} == {128}
     assert dit[0]["shape"] == [1, 30, 48, 80, 24, 128] and dit[0]["kernel_size"] == [18, 24, 24]
     with pytest.raises(ValueError, match="group"):
@@ -170,6 +173,37 @@ def test_rows_time_a_peer_like_na3d(monkeypatch):
     assert bwd["skipped"] == {"comfy_cuda": "forward only"}
     bench.add_bwd_over_fwd(bwd, fwd)
     assert set(bwd["fwd_plus_bwd"]["ms"]) == {"na3d", "natten_hopper"}
+
+
+def test_strided_rows_carry_their_stride_and_speed_of_light(monkeypatch):
+    """A strided shape: na3d, its oracle and the peer (na3d standing in for NATTEN, which
+    must receive the stride: its error equals na3d's only then) run with the stride;
+    the rows record it, the speed of light from the spec's dense times and each
+    method's time over it; flex and comfy-kitchen are skipped (no strided windows)."""
+    import na3d
+
+    monkeypatch.setattr(peers, "natten_configs", lambda q, backward=False: [
+        {"backward_q_tile_shape": (1, 2, 2)} if backward else {"q_tile_shape": (1, 2, 2)}])
+    monkeypatch.setattr(peers, "natten_hopper", lambda q, k, v, kernel_size, scale, stride=(1, 1, 1), **config:
+                        na3d.na3d(q, k, v, kernel_size, scale=scale, stride=stride))
+
+    def timer(fn, min_runs=1, target_ms=0, max_runs=1):
+        fn()
+        return 2.0
+
+    spec = {"name": "small-s122", "group": "strided", "shape": [1, 2, 4, 4, 1, 64], "kernel_size": [1, 3, 3],
+            "stride": [1, 2, 2], "dense_ms": {"fwd": 9.0, "bwd": 18.0}}
+    ceilings = {"copy_tbs": 4.0, "dense_attn_tflops": 300.0}
+    methods = ["na3d", "natten_hopper", "comfy_cuda", "flex"]
+    fwd = bench.forward_row(spec, timer, ceilings, "cpu", methods, dtype=torch.float16)
+    assert fwd["stride"] == [1, 2, 2] and fwd["natten_hopper_max_abs_err"] == fwd["max_abs_err"]
+    assert fwd["speed_of_light_ms"] == 9.0 * 9 / 32 and fwd["x_speed_of_light"]["na3d"] == round(2.0 / (9 * 9 / 32), 3)
+    assert fwd["skipped"]["comfy_cuda"] == "no stride" and "strided" in fwd["skipped"]["flex"]
+    bwd = bench.backward_row(spec, timer, ceilings, "cpu", methods, dtype=torch.float16,
+                             natten_forward_config=fwd["natten_hopper_config"])
+    assert bwd["stride"] == [1, 2, 2] and bwd["speed_of_light_ms"] == 18.0 * 9 / 32
+    assert bwd["natten_hopper_max_abs_err"] == bwd["max_abs_err"]
+    assert 0 <= bwd["full_products_share"]["dq"] <= 1 and 0 <= fwd["full_products_share"] <= 1
 
 
 def test_features_and_their_row_names():

@@ -176,31 +176,38 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     ``natten_hopper_config``.
     """
     name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
+    stride = tuple(spec.get("stride", (1, 1, 1)))
     B, T, H, W, NH, HD = shape
     scale = HD ** -0.5
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(3))
     flops, nbytes = useful_flops(shape, ks), min_bytes(shape, q.element_size())
     floor_ms = max(flops / (ceilings["dense_attn_tflops"] * 1e12), nbytes / (ceilings["copy_tbs"] * 1e12)) * 1e3
-    cfg = launch.forward_config(q, ks)
+    cfg = launch.forward_config(q, ks, stride=stride)
     row = {"name": name, "group": spec.get("group"), "shape": list(shape), "kernel_size": list(ks),
            "dtype": str(dtype).split(".")[-1], "pass": "fwd", "ms": {}, "floor_ms": round(floor_ms, 5),
            "floor_bound": "compute" if flops / (ceilings["dense_attn_tflops"] * 1e12)
            > nbytes / (ceilings["copy_tbs"] * 1e12) else "memory",
            "config": {"q_tile": list(cfg.q_tile), "kv_tile": list(cfg.kv_tile), "num_warps": cfg.num_warps,
                       "num_stages": cfg.num_stages, "bucket": cfg.bucket},
-           "flops_issued_ratio": round(geometry.issued_flops_ratio((T, H, W), ks, cfg.q_tile, cfg.kv_tile), 3)}
+           "flops_issued_ratio": round(geometry.issued_flops_ratio((T, H, W), ks, cfg.q_tile, cfg.kv_tile,
+                                                                   stride=stride), 3),
+           "full_products_share": round(geometry.full_products_share((T, H, W), ks, cfg.q_tile, cfg.kv_tile,
+                                                                     stride=stride), 3)}
+    if stride != (1, 1, 1):
+        row["stride"] = list(stride)
+        row["speed_of_light_ms"] = round(spec["dense_ms"]["fwd"] * window_fraction(spec), 5)
 
     log(f"  {name}: oracle (float32 grouped SDPA)")
-    oracle = na3d_sdpa_exact(q.float(), k.float(), v.float(), ks, scale=scale)
-    out = na3d(q, k, v, ks, scale=scale)
+    oracle = na3d_sdpa_exact(q.float(), k.float(), v.float(), ks, scale=scale, stride=stride)
+    out = na3d(q, k, v, ks, scale=scale, stride=stride)
     row["max_abs_err"] = float((out.float() - oracle).abs().max())
-    ref_bf16 = na3d_sdpa_exact(q, k, v, ks, scale=scale)
+    ref_bf16 = na3d_sdpa_exact(q, k, v, ks, scale=scale, stride=stride)
     row["sdpa_exact_max_abs_err"] = float((ref_bf16.float() - oracle).abs().max())
     del out, ref_bf16
 
-    runners = {"na3d": lambda: na3d(q, k, v, ks, scale=scale)}
-    if spec.get("group") == "dit":
+    runners = {"na3d": lambda: na3d(q, k, v, ks, scale=scale, stride=stride)}
+    if spec.get("group") != "ltx":
         if "sdpa_exact" in methods:
             skip(row, "sdpa_exact", "not timed on the DiT shapes (seconds per call); its error is measured")
     else:
@@ -208,18 +215,18 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     for method in peers.METHODS:
         if method not in methods:
             continue
-        reason = peers.skip_reason(method, shape, dtype)
+        reason = peers.skip_reason(method, shape, dtype, stride=stride)
         if reason is not None:
             skip(row, method, reason)
             continue
         try:
             if method == peers.NATTEN:
                 log(f"  {name}: choosing NATTEN's forward configuration")
-                config = natten_forward_choice(row, q, k, v, ks, scale, timer)
+                config = natten_forward_choice(row, q, k, v, ks, scale, timer, stride)
                 if config is None:
                     continue
                 # natten.na3d as a user calls it: its token permutations are timed too.
-                runners[method] = functools.partial(peers.natten_hopper, q, k, v, ks, scale, **config)
+                runners[method] = functools.partial(peers.natten_hopper, q, k, v, ks, scale, stride=stride, **config)
             else:
                 # comfy-kitchen's backend function on the same (B, T, H, W, NH, HD) tensors,
                 # no layout change (what it does besides its kernel: peers.comfy_kernel).
@@ -230,7 +237,9 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
             runners.pop(method, None)
     del oracle
     torch.cuda.empty_cache()
-    if "flex" in methods:
+    if "flex" in methods and stride != (1, 1, 1):
+        skip(row, "flex", "strided windows: the benchmark's block mask is stride 1's")
+    elif "flex" in methods:
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -265,6 +274,7 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d (graph replay)")
         record_gpu_time(row, gpu_timer(runners["na3d"], min_runs=20, target_ms=300), floor_ms)
+    record_speed_of_light(row)
     if "na3d" in row["ms"]:
         t = row["ms"]["na3d"] * 1e-3
         row["na3d_tflops"] = round(flops / t / 1e12, 1)
@@ -289,7 +299,45 @@ def record_speedups(row: dict) -> None:
     row["speedup_vs"] = {m: round(ms / row["ms"]["na3d"], 2) for m, ms in row["ms"].items() if m != "na3d"}
 
 
-def natten_forward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer) -> Optional[dict]:
+def window_fraction(spec: dict) -> float:
+    """The share of the grid's keys a query sees: ``prod(kernel) / (T * H * W)``."""
+    return math.prod(spec["kernel_size"]) / math.prod(spec["shape"][1:4])
+
+
+def measure_dense_on_tokens(spec: dict, timer: Timer, device) -> Dict[str, float]:
+    """Dense attention (cuDNN, no mask) on a strided row's tokens, heads and head dim:
+    ``{"fwd": ms, "bwd": ms}`` (bwd = forward + backward minus forward), the base of
+    the row's speed of light (``window_fraction`` of it: DESIGN's section 3c)."""
+    B, T, H, W, NH, HD = spec["shape"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, NH, T * H * W, HD, dtype=torch.bfloat16, device=device, generator=gen,
+                           requires_grad=True) for _ in range(3))
+    grad_out = torch.randn_like(q)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def dense():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    with torch.no_grad():
+        fwd = timer(dense, min_runs=5, target_ms=1000)
+    both = timer(lambda: torch.autograd.grad(dense(), (q, k, v), grad_out), min_runs=5, target_ms=2000)
+    return {"fwd": round(fwd, 4), "bwd": round(both - fwd, 4)}
+
+
+def record_speed_of_light(row: dict) -> None:
+    """``row["x_speed_of_light"]``: each method's time over the row's speed of light
+    (strided rows), na3d's GPU time too."""
+    if "speed_of_light_ms" not in row:
+        return
+    sol = row["speed_of_light_ms"]
+    row["x_speed_of_light"] = {m: round(t / sol, 3) for m, t in row["ms"].items()}
+    if "gpu_ms" in row:
+        row["x_speed_of_light"]["na3d_gpu"] = round(row["gpu_ms"]["na3d"] / sol, 3)
+
+
+def natten_forward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer,
+                          stride=(1, 1, 1)) -> Optional[dict]:
     """NATTEN's fastest forward configuration on these inputs, as ``natten.na3d`` keywords.
 
     Each configuration NATTEN offers (at most ``peers.MAX_CONFIGS``) is timed
@@ -298,7 +346,7 @@ def natten_forward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer) 
     and the failures. None when none ran.
     """
     def trial(config):
-        fn = functools.partial(peers.natten_hopper, q, k, v, kernel_size, scale, **config)
+        fn = functools.partial(peers.natten_hopper, q, k, v, kernel_size, scale, stride=stride, **config)
         return timer(fn, min_runs=CONFIG_TRIAL_RUNS, target_ms=0, max_runs=CONFIG_TRIAL_RUNS)
 
     return record_choice(row, *peers.best_config(peers.natten_configs(q), trial))
@@ -344,20 +392,28 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     time is that of forward + ``autograd.grad`` minus that of the forward alone.
     """
     name, shape, ks = spec["name"], tuple(spec["shape"]), tuple(spec["kernel_size"])
+    stride = tuple(spec.get("stride", (1, 1, 1)))
     B, T, H, W, NH, HD = shape
     scale = HD ** -0.5
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4))
     flops, nbytes = 2.5 * useful_flops(shape, ks), 2 * min_bytes(shape, q.element_size())
     floor_ms = max(flops / (ceilings["dense_attn_tflops"] * 1e12), nbytes / (ceilings["copy_tbs"] * 1e12)) * 1e3
-    cfg = launch.backward_config(q, ks)
+    cfg = launch.backward_config(q, ks, stride=stride)
     row = {"name": name, "group": spec.get("group"), "shape": list(shape), "kernel_size": list(ks),
            "dtype": str(dtype).split(".")[-1], "pass": "bwd", "ms": {}, "floor_ms": round(floor_ms, 5),
            "config": {"dq": [list(cfg.dq_q_tile), list(cfg.dq_kv_tile)],
                       "dkdv": [list(cfg.dkdv_k_tile), list(cfg.dkdv_q_tile)],
                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                       "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages,
-                      "fused": cfg.fused, "bucket": cfg.bucket}}
+                      "fused": cfg.fused, "bucket": cfg.bucket},
+           "full_products_share": {
+               "dq": round(geometry.full_products_share((T, H, W), ks, cfg.dq_q_tile, cfg.dq_kv_tile, stride=stride), 3),
+               "dkdv": round(geometry.full_products_share((T, H, W), ks, cfg.dkdv_k_tile, cfg.dkdv_q_tile,
+                                                          stride=stride, own="keys"), 3)}}
+    if stride != (1, 1, 1):
+        row["stride"] = list(stride)
+        row["speed_of_light_ms"] = round(spec["dense_ms"]["bwd"] * window_fraction(spec), 5)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
     def graph_of(fn):
@@ -365,8 +421,10 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
 
     # The grouped-SDPA reference is left out: its autograd graph keeps every box's
     # copies alive (tens of GB at stage 5) and it is not a competitor.
-    runners = {"na3d": lambda: graph_of(lambda a, b, c: na3d(a, b, c, ks, scale=scale))}
-    if "flex" in methods:
+    runners = {"na3d": lambda: graph_of(lambda a, b, c: na3d(a, b, c, ks, scale=scale, stride=stride))}
+    if "flex" in methods and stride != (1, 1, 1):
+        skip(row, "flex", "strided windows: the benchmark's block mask is stride 1's")
+    elif "flex" in methods:
         def flex_graph():
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -379,20 +437,20 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         runners["flex"] = flex_graph
     for method in peers.METHODS:
         if method in methods:
-            reason = peers.skip_reason(method, shape, dtype, backward=True)
+            reason = peers.skip_reason(method, shape, dtype, backward=True, stride=stride)
             if reason is not None:
                 skip(row, method, reason)
     if peers.NATTEN in methods and peers.NATTEN not in row.get("skipped", {}):
         try:
-            config = natten_backward_choice(row, q, k, v, ks, scale, timer, graph_of, natten_forward_config)
+            config = natten_backward_choice(row, q, k, v, ks, scale, timer, graph_of, natten_forward_config, stride)
             if config is not None:
                 runners[peers.NATTEN] = lambda: graph_of(
-                    functools.partial(peers.natten_hopper, kernel_size=ks, scale=scale, **config))
+                    functools.partial(peers.natten_hopper, kernel_size=ks, scale=scale, stride=stride, **config))
         except Exception as exc:
             fail(row, peers.NATTEN, exc)
     # Gradients of every method against the float32 reference's.
     log(f"  {name}: backward error vs float32 grouped-SDPA autograd")
-    ref = reference_grads(q, k, v, do, ks, scale)
+    ref = reference_grads(q, k, v, do, ks, scale, stride=stride)
     grads = runners["na3d"]()()
     row["max_abs_err"] = grad_errors(grads, ref)
     del grads
@@ -406,10 +464,10 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     # says so), timed beside it through the launcher: its error against the same
     # reference first.
     fused_cfg = dataclasses.replace(cfg, fused=True)
-    fwd_out, fwd_lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True)
+    fwd_out, fwd_lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True, stride=stride)
 
     def fused_backward():
-        return launch.na3d_backward(do, q, k, v, fwd_out, fwd_lse, ks, scale, config=fused_cfg)
+        return launch.na3d_backward(do, q, k, v, fwd_out, fwd_lse, ks, scale, config=fused_cfg, stride=stride)
 
     if not cfg.fused:
         runners["na3d_fused"] = lambda: fused_backward
@@ -439,9 +497,10 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
         record_speedups(row)
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d's backward (graph replay, minus the forward's)")
-        fn = functools.partial(na3d, kernel_size=ks, scale=scale)
+        fn = functools.partial(na3d, kernel_size=ks, scale=scale, stride=stride)
         record_gpu_time(row, backward_gpu_ms(gpu_timer, fn, leaves, do), floor_ms)
         torch.cuda.empty_cache()
+    record_speed_of_light(row)
     return row
 
 
@@ -468,19 +527,19 @@ def backward_gpu_ms(gpu_timer: Timer, fn, leaves, grads) -> float:
 
 
 def natten_backward_choice(row: dict, q, k, v, kernel_size, scale, timer: Timer, graph_of,
-                           forward_config: Optional[dict]) -> Optional[dict]:
+                           forward_config: Optional[dict], stride=(1, 1, 1)) -> Optional[dict]:
     """NATTEN's fastest backward configuration with ``forward_config`` (chosen here when
     None), as ``natten.na3d`` keywords for both passes. Timed as the benchmark times
     backwards (``graph_of``: ``autograd.grad`` of a retained graph), briefly."""
     if forward_config is None:  # no forward row: its choice is made (and recorded) here
-        forward_config = natten_forward_choice(row, q, k, v, kernel_size, scale, timer)
+        forward_config = natten_forward_choice(row, q, k, v, kernel_size, scale, timer, stride)
         row["natten_hopper_forward_trials"] = row.pop("natten_hopper_trials")
         if forward_config is None:
             return None
     forward_config = peers.config_from_json(forward_config)
 
     def trial(config):
-        fn = graph_of(functools.partial(peers.natten_hopper, kernel_size=kernel_size, scale=scale,
+        fn = graph_of(functools.partial(peers.natten_hopper, kernel_size=kernel_size, scale=scale, stride=stride,
                                         **forward_config, **config))
         return timer(fn, min_runs=CONFIG_TRIAL_RUNS, target_ms=0, max_runs=CONFIG_TRIAL_RUNS)
 
@@ -499,7 +558,8 @@ def grad_errors(grads, ref) -> Dict[str, float]:
 REFERENCE_GRAD_BUDGET = 16 << 30
 
 
-def reference_grads(q, k, v, do, kernel_size, scale, budget: Optional[int] = None) -> List[torch.Tensor]:
+def reference_grads(q, k, v, do, kernel_size, scale, budget: Optional[int] = None,
+                    stride=(1, 1, 1)) -> List[torch.Tensor]:
     """float32 dq, dk, dv through autograd of the grouped-SDPA reference, W chunk by W chunk.
 
     Each chunk of query columns (``w_offset``) runs forward and backward before the
@@ -521,7 +581,8 @@ def reference_grads(q, k, v, do, kernel_size, scale, budget: Optional[int] = Non
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             start = torch.cuda.memory_allocated(device)
-        out = na3d_sdpa_exact(ref[0][:, :, :, w0:w1], ref[1], ref[2], kernel_size, scale=scale, w_offset=w0)
+        out = na3d_sdpa_exact(ref[0][:, :, :, w0:w1], ref[1], ref[2], kernel_size, scale=scale, w_offset=w0,
+                              stride=stride)
         out.backward(do[:, :, :, w0:w1].float())
         del out
         used = torch.cuda.max_memory_allocated(device) - start if cuda else 0
@@ -964,7 +1025,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     rows = []
     for i, spec in enumerate(specs):
-        log(f"[{i + 1}/{len(specs)}] {spec['name']} {spec['shape']} kernel {spec['kernel_size']}")
+        log(f"[{i + 1}/{len(specs)}] {spec['name']} {spec['shape']} kernel {spec['kernel_size']}"
+            + (f" stride {spec['stride']}" if "stride" in spec else ""))
+        if "stride" in spec:
+            log(f"  {spec['name']}: dense cuDNN on the same tokens (the speed of light's base)")
+            spec = dict(spec, dense_ms=measure_dense_on_tokens(spec, timer, device))
+            torch.cuda.empty_cache()
         if not args.no_forward:
             rows.append(forward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
             torch.cuda.empty_cache()

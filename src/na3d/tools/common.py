@@ -15,7 +15,7 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-SHAPE_GROUPS = ("ltx", "dit", "all")
+SHAPE_GROUPS = ("ltx", "dit", "strided", "all")
 
 
 def bench_shapes(group: str = "ltx") -> List[dict]:
@@ -24,7 +24,8 @@ def bench_shapes(group: str = "ltx") -> List[dict]:
     ``group``: ``"ltx"`` (the default) for the LTX-2.5 decoder's shapes, head dim 64,
     what the tuner, the GPU tests and the A/B scripts run on; ``"dit"`` for the
     video-DiT training shapes (head dim 128, windows of thousands of keys: too large
-    for the tests' float32 oracles); ``"all"`` for both, in the file's order.
+    for the tests' float32 oracles); ``"strided"`` for NATTEN's strided windows (rows
+    with a ``stride``); ``"all"`` for every group, in the file's order.
     """
     if group not in SHAPE_GROUPS:
         raise ValueError(f"group must be one of {SHAPE_GROUPS}, got {group!r}")

@@ -142,8 +142,9 @@ def versions(methods: Sequence[str]) -> Dict[str, str]:
     return out
 
 
-def skip_reason(method: str, shape: Sequence[int], dtype: torch.dtype, backward: bool = False) -> Optional[str]:
-    """Why ``method`` is not timed on this shape, dtype and pass, or None.
+def skip_reason(method: str, shape: Sequence[int], dtype: torch.dtype, backward: bool = False,
+                stride: Sequence[int] = (1, 1, 1)) -> Optional[str]:
+    """Why ``method`` is not timed on this shape, dtype, pass and stride, or None.
 
     NATTEN's Hopper FNA: float16/bfloat16, head dim 64 or 128 (the head dims of the
     build the benchmark carries to the GPU machine; NATTEN has 32 and 256 too).
@@ -159,6 +160,8 @@ def skip_reason(method: str, shape: Sequence[int], dtype: torch.dtype, backward:
     if method in COMFY:
         if backward:
             return "forward only"
+        if any(x != 1 for x in stride):
+            return "no stride"
         return None if head_dim <= 64 and head_dim % 16 == 0 else f"head dim {head_dim} (multiples of 16 up to 64)"
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
@@ -228,8 +231,10 @@ def best_config(candidates: Sequence[dict], time_ms: Callable[[dict], float]
 
 
 def natten_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Sequence[int], scale: float,
-                  **config) -> torch.Tensor:
+                  stride: Sequence[int] = (1, 1, 1), **config) -> torch.Tensor:
     """``natten.na3d`` with its Hopper FNA backend and ``config`` (keywords from :func:`natten_configs`),
-    on ``(B, T, H, W, NH, HD)`` tensors: the call a user makes, token permutations included."""
+    on ``(B, T, H, W, NH, HD)`` tensors: the call a user makes, token permutations included.
+    ``stride``: NATTEN's generalized (strided) neighborhood attention."""
     import natten
-    return natten.na3d(q, k, v, tuple(kernel_size), backend="hopper-fna", scale=scale, **config)
+    return natten.na3d(q, k, v, tuple(kernel_size), stride=tuple(stride), backend="hopper-fna", scale=scale,
+                       **config)
