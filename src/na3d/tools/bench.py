@@ -860,6 +860,21 @@ def add_launch_counts(row: dict, device) -> None:
         row["launches"] = counts
 
 
+def print_speed_of_light_table(rows: List[dict]) -> None:
+    """Strided rows: the speed of light and each method's time over it (GPU time for na3d too)."""
+    rows = [r for r in rows if "speed_of_light_ms" in r]
+    if not rows:
+        return
+    log(f"{'shape':<22}{'pass':>5}{'stride':>10}{'sol ms':>10}{'na3d ms':>10}{'na3d gpu':>10}{'natten ms':>11}"
+        f"{'x_sol na3d':>12}{'x_sol natten':>14}")
+    for r in rows:
+        x = r.get("x_speed_of_light", {})
+        log(f"{r['name']:<22}{r['pass']:>5}{'x'.join(map(str, r['stride'])):>10}{r['speed_of_light_ms']:>10.3f}"
+            f"{r['ms'].get('na3d', float('nan')):>10.3f}{r.get('gpu_ms', {}).get('na3d', float('nan')):>10.3f}"
+            f"{r['ms'].get(peers.NATTEN, float('nan')):>11.3f}{x.get('na3d_gpu', x.get('na3d', float('nan'))):>12.3f}"
+            f"{x.get(peers.NATTEN, float('nan')):>14.3f}")
+
+
 def is_shape_row(row: dict) -> bool:
     """A forward or backward row of a benchmark shape (not a feature or decoder row)."""
     return row["pass"] in ("fwd", "bwd") and "feature" not in row
@@ -1074,6 +1089,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shown = [r for r in shown if is_shape_row(r)]
         print_table(shown)
         print_method_table(shown)
+        print_speed_of_light_table(shown)
     if args.no_write:
         return 0
     write(rows, complete=True)
