@@ -38,7 +38,7 @@ from diffusers.models.autoencoders.ltx2_diffusion_decoder import (  # noqa: E402
 )
 
 import na3d  # noqa: E402
-import na3d.diffusers as na3d_diffusers  # noqa: E402
+from na3d.diffusers import ltx_decoder  # noqa: E402
 from na3d import geometry, launch  # noqa: E402
 from na3d.diffusers import NA3DProcessor, use_na3d  # noqa: E402
 from helpers import TINY_CONFIG  # noqa: E402
@@ -203,8 +203,8 @@ def test_block_runs_the_kernel_on_the_projected_views(monkeypatch):
         projected, received = [], []
         project_qkv = block.attn.project_qkv
         monkeypatch.setattr(block.attn, "project_qkv", lambda x: projected.append(project_qkv(x)) or projected[-1])
-        attend = na3d_diffusers.na3d_flash_attn
-        monkeypatch.setattr(na3d_diffusers, "na3d_flash_attn",
+        attend = ltx_decoder.na3d_flash_attn
+        monkeypatch.setattr(ltx_decoder, "na3d_flash_attn",
                             lambda q, k, v, ks: received.append((q, k, v, ks)) or attend(q, k, v, ks))
         block.attn.set_processor(NA3DProcessor())
         assert block.attn.build_block_mask(hidden) is None
