@@ -45,8 +45,12 @@ def _modules_of(model) -> list:
     """The ``nn.Module`` s to search: the model itself, or a pipeline's module components."""
     if isinstance(model, nn.Module):
         return [model]
+    if isinstance(model, DiffusionPipeline):
+        # Every registered module: ``components`` leaves out optional ones (a second transformer).
+        found = (getattr(model, name, None) for name in model.config.keys() if not name.startswith("_"))
+        return [c for c in found if isinstance(c, nn.Module)]
     components = getattr(model, "components", None)
-    if isinstance(components, dict):  # a diffusers DiffusionPipeline
+    if isinstance(components, dict):  # a pipeline-like object
         return [c for c in components.values() if isinstance(c, nn.Module)]
     raise TypeError(
         f"model must be a torch.nn.Module (an LTX2VideoDiffusionDecoderModel, a {_MODELS}, ...) or a diffusers "
