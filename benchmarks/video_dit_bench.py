@@ -21,10 +21,10 @@ L2 flushed before each run), random bf16 weights at full width:
   and ``fwd+bwd`` (a training step: forward, an MSE loss, backward to every parameter,
   with diffusers' gradient checkpointing per block, for every method: without it the
   dense model's activations do not fit 78 GiB). Methods: ``dense`` (diffusers'
-  default processors, SDPA), ``na3d`` (window 9x15x15), ``na3d_strided`` (the same
-  window, stride ``--wan-stride``, default 4x4x4: the query boxes of na3d's head-dim-128
-  tiles), ``natten`` and ``natten_strided`` (NATTEN's Hopper FNA through the same
-  switch, its default configuration), where NATTEN imports.
+  default processors, SDPA), ``na3d`` (window 9x15x15), ``na3d_strided`` (window 8x16x16,
+  2048 keys, stride 2x8x8: block-sparse on this grid with the boxes na3d picks;
+  ``--wan-strided``), ``natten`` and ``natten_strided`` (NATTEN's Hopper FNA through the
+  same switch, its default configuration), where NATTEN imports.
 * ``hunyuan-blocks``: ``HunyuanVideoTransformer3DModel`` at full width (24 heads of 128)
   with two blocks, one dual-stream and one single-stream (and its text refiner), on the
   30x48x80 token grid (latent 1x16x30x96x160) with 256 text tokens, the last 64 of them
@@ -73,18 +73,23 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
 HUNYUAN_TWO_BLOCKS = dict(num_layers=1, num_single_layers=1)
 
 FULL = dict(
-    wan=dict(config=WAN_1_3B, latent=(1, 16, 21, 60, 104), text=512, kernel=(9, 15, 15), stride=(4, 4, 4)),
+    # The strided window of Wan: 8x16x16 (2048 keys, as 9x15x15's 2025) with stride 2x8x8 is
+    # block-sparse on the 21x30x52 grid with the boxes na3d picks for it
+    # (geometry.full_products_share 1.0, 1.2 products issued per useful one; 9x15x15 at
+    # stride 1: 2.85, none of them full).
+    wan=dict(config=WAN_1_3B, latent=(1, 16, 21, 60, 104), text=512, kernel=(9, 15, 15),
+             strided=((8, 16, 16), (2, 8, 8))),
     hunyuan=dict(config=HUNYUAN_TWO_BLOCKS, latent=(1, 16, 30, 96, 160), text=256, valid_text=192,
-                 kernel=(18, 24, 24), stride=(2, 8, 8)),
+                 kernel=(18, 24, 24), strided=((18, 24, 24), (2, 8, 8))),
 )
 TINY = dict(
     wan=dict(config=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
                          out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
-             latent=(1, 4, 5, 8, 12), text=7, kernel=(3, 3, 5), stride=(1, 2, 3)),
+             latent=(1, 4, 5, 8, 12), text=7, kernel=(3, 3, 5), strided=((2, 4, 4), (1, 2, 2))),
     hunyuan=dict(config=dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
                              num_layers=1, num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0,
                              text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 6, 6)),
-                 latent=(1, 4, 5, 8, 12), text=7, valid_text=5, kernel=(3, 3, 5), stride=(1, 2, 3)),
+                 latent=(1, 4, 5, 8, 12), text=7, valid_text=5, kernel=(3, 3, 5), strided=((3, 3, 5), (1, 2, 3))),
 )
 TINY_COMFY_SHAPES = [dict(name="tiny-a", shape=[1, 4, 6, 8, 2, 64], kernel_size=[3, 5, 5]),
                      dict(name="tiny-b", shape=[1, 3, 5, 40, 2, 64], kernel_size=[3, 5, 27])]
@@ -186,11 +191,11 @@ def model_inputs(family: str, spec: dict, device, dtype) -> dict:
 
 def methods_for(family: str, spec: dict, natten_backend: Optional[str], with_natten: bool) -> dict:
     """name -> (kernel_size, stride, processor class or None for na3d's); ``dense`` is None."""
-    stride = spec["stride"]
-    methods = {"dense": None, "na3d": (spec["kernel"], 1, None), "na3d_strided": (spec["kernel"], stride, None)}
+    kernel, stride = spec["strided"]
+    methods = {"dense": None, "na3d": (spec["kernel"], 1, None), "na3d_strided": (kernel, stride, None)}
     if with_natten:
         natten = natten_processors(natten_backend)[family]
-        methods.update(natten=(spec["kernel"], 1, natten), natten_strided=(spec["kernel"], stride, natten))
+        methods.update(natten=(spec["kernel"], 1, natten), natten_strided=(kernel, stride, natten))
     return methods
 
 
@@ -230,10 +235,10 @@ def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int
     if family == "hunyuan":
         common.update(valid_text_tokens=spec["valid_text"],
                       blocks={"dual_stream": config["num_layers"], "single_stream": config["num_single_layers"]})
-    strides = {m: list(v[1]) if isinstance(v[1], (tuple, list)) else [v[1]] * 3
+    windows = {m: dict(kernel_size=list(v[0]), stride=list(v[1]) if isinstance(v[1], (tuple, list)) else [v[1]] * 3)
                for m, v in methods.items() if v is not None}
-    fwd = dict(common, name=name, **{"pass": "fwd"}, ms={}, errors={}, strides=strides)
-    step = dict(common, name=name, **{"pass": "fwd+bwd"}, ms={}, errors={}, strides=strides,
+    fwd = dict(common, name=name, **{"pass": "fwd"}, ms={}, errors={}, windows=windows)
+    step = dict(common, name=name, **{"pass": "fwd+bwd"}, ms={}, errors={}, windows=windows,
                 gradient_checkpointing=True, peak_gib={})
     target = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(2)).to(device)
     outputs, last = {}, {}
@@ -360,8 +365,11 @@ def print_tables(rows: List[dict]) -> None:
             verdict = "" if target is None else (" meets" if up.get("na3d", 0) >= target else " MISSES") + f" {target}x"
             log(f"{r['name']:<16}{r['pass']:<9}{cells}   {up.get('na3d', '-')}x, {up.get('na3d_strided', '-')}x"
                 f"{verdict}")
-        log("  windows: " + "; ".join(f"{r['name']} {r['kernel_size']} strides {r['strides']}"
-                                      for r in dits if r["pass"] == "fwd"))
+        for r in dits:
+            if r["pass"] == "fwd":
+                log(f"  {r['name']} windows: " + ", ".join(
+                    f"{m} {'x'.join(map(str, w['kernel_size']))} stride {'x'.join(map(str, w['stride']))}"
+                    for m, w in r["windows"].items()))
     comfy = [r for r in rows if r.get("group") == "comfy-ltx"]
     if comfy:
         log(f"\n{'comfy-ltx':<28}{'backend':>16}{'before ms':>11}{'after ms':>10}{'x':>7}"
@@ -398,8 +406,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--only", nargs="*", choices=("wan", "hunyuan", "comfy"), default=None,
                         help="parts to run (default: all three)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per method and pass of the models (median)")
-    parser.add_argument("--wan-stride", type=int, nargs=3, default=None,
-                        help="the strided Wan window's stride (default 4 4 4: the query boxes of na3d's tiles)")
+    parser.add_argument("--wan-strided", type=int, nargs=6, default=None, metavar=("KT", "KH", "KW", "ST", "SH", "SW"),
+                        help="Wan's strided window: kernel and stride (default 8 16 16 2 8 8)")
     parser.add_argument("--no-natten", action="store_true", help="skip NATTEN")
     parser.add_argument("--tiny", action="store_true", help="tiny models and shapes on the CPU: the logic only")
     parser.add_argument("--out-dir", default=None,
@@ -453,8 +461,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         log(f"[{row_name}]")
         spec = dict(specs[family])
-        if family == "wan" and args.wan_stride is not None:
-            spec["stride"] = tuple(args.wan_stride)
+        if family == "wan" and args.wan_strided is not None:
+            spec["strided"] = (tuple(args.wan_strided[:3]), tuple(args.wan_strided[3:]))
         methods = methods_for(family, spec, natten_backend, with_natten)
         rows += dit_rows(family, row_name, spec, timer, device, dtype, args.runs, methods, stamp)
         save(complete=False)
