@@ -116,3 +116,21 @@ def test_unregister_gives_the_previous_backend_back(calls):
     with pytest.raises(comfy_kitchen.BackendNotFoundError):
         with comfy_kitchen.use_backend("na3d"):
             pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_registered_na3d_on_the_gpu_matches_comfy_cuda(registered, calls):
+    """An LTX stage-1-like call in bf16: na3d answers, within bf16 rounding of comfy-kitchen's CUDA kernel
+    (when it loads here) and of a float32 run of comfy's eager backend."""
+    shape = (1, 6, 16, 24, 8, 64)
+    q, k, v = (x.cuda() for x in qkv(shape, torch.bfloat16))
+    out = comfy_kitchen.na3d(q, k, v, [3, 7, 7], None, 1.0)
+    assert len(calls) == 1
+    ref = eager(q.float(), k.float(), v.float(), [3, 7, 7], None, 1.0)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    if "cuda" in registry._backends and registry.validate_backend_for_call(
+            "cuda", "na3d", dict(q=q, k=k, v=v, kernel_size=[3, 7, 7], is_causal=[False] * 3, scale=1.0)).success:
+        with comfy_kitchen.use_backend("cuda"):
+            theirs = comfy_kitchen.na3d(q, k, v, [3, 7, 7], None, 1.0)
+        torch.testing.assert_close(out.float(), theirs.float(), rtol=2e-2, atol=2e-2)

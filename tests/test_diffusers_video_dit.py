@@ -440,3 +440,56 @@ def test_hunyuan_module_runs_the_kernel(block):
     assert_close(text_out, ref_text, f"{block} text queries")
     if not launch.kernels_interpreted():
         pytest.skip("compared through the PyTorch reference: the Triton interpreter is not active")
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: bf16, head dim 128 (the models' own), na3d's kernels forward and backward
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("window", [((3, 5, 5), 1, 1, False), ((4, 8, 8), (2, 4, 4), 1, False)],
+                         ids=["3x5x5", "4x8x8-stride-2x4x4"])
+def test_bf16_on_the_gpu_matches_masked_reference(family, window):
+    """Two blocks, 2 heads of 128, grid 8 x 12 x 16: na3d's bf16 outputs and gradients within twice the
+    masked reference's own bf16 error (against float32) plus a rounding band."""
+    device = torch.device("cuda")
+    overrides = dict(attention_head_dim=128, in_channels=16, out_channels=16)
+    if family == "wan":
+        config = dict(WAN_CONFIG, **overrides)
+        make = WanTransformer3DModel
+    else:
+        config = dict(HUNYUAN_CONFIG, rope_axes_dim=(16, 56, 56), **overrides)
+        make = HunyuanVideoTransformer3DModel
+    latent, grid = (1, 16, 8, 24, 32), (8, 12, 16)
+    torch.manual_seed(11)
+    model32 = make(**config).to(device)
+    inputs = wan_inputs(latent) if family == "wan" else hunyuan_inputs((5,))
+    if family == "hunyuan":
+        inputs["hidden_states"] = torch.randn(latent, generator=torch.Generator().manual_seed(12))
+
+    def results(model, dtype, switch):
+        model = copy.deepcopy(model).to(dtype)
+        if switch:
+            use_na3d(model, kernel_size=window[0], stride=window[1])
+        else:
+            model = masked_reference(model, window, grid)
+        x = {k: (v.detach().to(device, dtype) if torch.is_floating_point(v) else v.to(device))
+             if torch.is_tensor(v) else v for k, v in inputs.items()}
+        x["hidden_states"].requires_grad_()
+        out = model(**x)[0]
+        out.float().square().mean().backward()
+        grads = {"out": out.detach(), "input": x["hidden_states"].grad}
+        grads.update({n: p.grad for n, p in model.named_parameters() if "attn" in n and p.grad is not None})
+        return {k: v.float() for k, v in grads.items()}
+
+    reference = results(model32, torch.float32, switch=False)
+    dense16 = results(model32, torch.bfloat16, switch=False)
+    ours = results(model32, torch.bfloat16, switch=True)
+    band = 2 * torch.finfo(torch.bfloat16).eps
+    for name, ref in reference.items():
+        scale = max(1.0, ref.abs().max().item())
+        own = (dense16[name] - ref).abs().max().item()
+        err = (ours[name] - ref).abs().max().item()
+        assert err <= 2 * own + band * scale, f"{family} {name}: {err:.3e} > 2 x {own:.3e} + band"
