@@ -18,7 +18,7 @@ imports diffusers, only this package does.
 Details and measurements: ``docs/diffusers.md``.
 """
 
-from typing import Optional, Union
+from typing import Union
 
 from torch import nn
 
