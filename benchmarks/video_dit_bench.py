@@ -218,7 +218,7 @@ def switch_to(model, family: str, method) -> None:
         use_na3d(model, processor(kernel_size, stride))
 
 
-def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int, methods: dict,
+def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int, step_runs: int, methods: dict,
              stamp: dict) -> List[dict]:
     """The fwd and fwd+bwd rows of one model: every method timed on the same model and inputs."""
     model = build_model(family, spec, device, dtype)
@@ -237,8 +237,8 @@ def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int
                       blocks={"dual_stream": config["num_layers"], "single_stream": config["num_single_layers"]})
     windows = {m: dict(kernel_size=list(v[0]), stride=list(v[1]) if isinstance(v[1], (tuple, list)) else [v[1]] * 3)
                for m, v in methods.items() if v is not None}
-    fwd = dict(common, name=name, **{"pass": "fwd"}, ms={}, errors={}, windows=windows)
-    step = dict(common, name=name, **{"pass": "fwd+bwd"}, ms={}, errors={}, windows=windows,
+    fwd = dict(common, name=name, **{"pass": "fwd"}, ms={}, errors={}, windows=windows, runs=runs)
+    step = dict(common, name=name, **{"pass": "fwd+bwd"}, ms={}, errors={}, windows=windows, runs=step_runs,
                 gradient_checkpointing=True, peak_gib={})
     target = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(2)).to(device)
     outputs, last = {}, {}
@@ -271,7 +271,7 @@ def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int
         model.train()
         reset_peak(device)
         try:
-            step["ms"][method] = round(timer(training_step, min_runs=runs, target_ms=0.0, max_runs=runs), 3)
+            step["ms"][method] = round(timer(training_step, min_runs=step_runs, target_ms=0.0, max_runs=step_runs), 3)
             step["peak_gib"][method] = peak_gib(device)
         except Exception as exc:
             step["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
@@ -405,7 +405,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", choices=("wan", "hunyuan", "comfy"), default=None,
                         help="parts to run (default: all three)")
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per method and pass of the models (median)")
+    parser.add_argument("--runs", type=int, default=3, help="timed forwards per method (median; after a warm-up "
+                        "and a first timing run)")
+    parser.add_argument("--step-runs", type=int, default=2, help="timed training steps per method (median)")
     parser.add_argument("--wan-strided", type=int, nargs=6, default=None, metavar=("KT", "KH", "KW", "ST", "SH", "SW"),
                         help="Wan's strided window: kernel and stride (default 8 16 16 2 8 8)")
     parser.add_argument("--no-natten", action="store_true", help="skip NATTEN")
@@ -464,7 +466,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if family == "wan" and args.wan_strided is not None:
             spec["strided"] = (tuple(args.wan_strided[:3]), tuple(args.wan_strided[3:]))
         methods = methods_for(family, spec, natten_backend, with_natten)
-        rows += dit_rows(family, row_name, spec, timer, device, dtype, args.runs, methods, stamp)
+        rows += dit_rows(family, row_name, spec, timer, device, dtype, args.runs, args.step_runs, methods, stamp)
         save(complete=False)
     if "comfy" in parts:
         log("[comfy-ltx]")
