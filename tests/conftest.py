@@ -24,3 +24,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(needs_gpu)
+
+
+@pytest.fixture
+def exact_reference_backend(monkeypatch):
+    """na3d's CPU calls take its exact PyTorch reference instead of the Triton interpreter.
+
+    ``na3d.api`` asks ``launch.kernels_interpreted()`` to choose; without the interpreter
+    CPU tensors go to ``na3d_sdpa_exact``, the documented CPU behavior (what a CPU user
+    gets). For model-level tests, where the interpreter would take minutes.
+    """
+    from na3d import launch
+
+    monkeypatch.setattr(launch, "kernels_interpreted", lambda: False)

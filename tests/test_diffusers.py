@@ -6,7 +6,7 @@ it by ~1.8, the tolerance is ~2e-5), decodes the same video with ``use_na3d`` as
 diffusers' own FlexAttention processor, untiled and tiled, and builds no BlockMask.
 
 The decoder-level tests give na3d its exact PyTorch reference backend (the fixture
-``exact_reference_backend``: what a CPU user gets when the Triton interpreter is not
+``exact_reference_backend`` of conftest.py: what a CPU user gets when the Triton interpreter is not
 active), because the interpreter, active in the test session (conftest.py), would take
 minutes at these grids. The Triton kernel itself, in the interpreter, runs in
 ``test_block_runs_the_kernel_on_the_projected_views`` (on the very views
@@ -38,7 +38,7 @@ from diffusers.models.autoencoders.ltx2_diffusion_decoder import (  # noqa: E402
 )
 
 import na3d  # noqa: E402
-import na3d.diffusers as na3d_diffusers  # noqa: E402
+from na3d.diffusers import ltx_decoder  # noqa: E402
 from na3d import geometry, launch  # noqa: E402
 from na3d.diffusers import NA3DProcessor, use_na3d  # noqa: E402
 from helpers import TINY_CONFIG  # noqa: E402
@@ -87,16 +87,6 @@ def decode_with_na3d(model, latent):
     assert use_na3d(model) == NUM_TINY_ATTENTIONS
     with torch.no_grad():
         return decode(model, latent)
-
-
-@pytest.fixture
-def exact_reference_backend(monkeypatch):
-    """na3d's CPU calls take its exact PyTorch reference instead of the Triton interpreter.
-
-    ``na3d.api`` asks ``launch.kernels_interpreted()`` to choose; without the interpreter
-    CPU tensors go to ``na3d_sdpa_exact``, the documented CPU behavior.
-    """
-    monkeypatch.setattr(launch, "kernels_interpreted", lambda: False)
 
 
 class SkipAttention(NA3DProcessor):
@@ -203,8 +193,8 @@ def test_block_runs_the_kernel_on_the_projected_views(monkeypatch):
         projected, received = [], []
         project_qkv = block.attn.project_qkv
         monkeypatch.setattr(block.attn, "project_qkv", lambda x: projected.append(project_qkv(x)) or projected[-1])
-        attend = na3d_diffusers.na3d_flash_attn
-        monkeypatch.setattr(na3d_diffusers, "na3d_flash_attn",
+        attend = ltx_decoder.na3d_flash_attn
+        monkeypatch.setattr(ltx_decoder, "na3d_flash_attn",
                             lambda q, k, v, ks: received.append((q, k, v, ks)) or attend(q, k, v, ks))
         block.attn.set_processor(NA3DProcessor())
         assert block.attn.build_block_mask(hidden) is None

@@ -3,9 +3,8 @@
     from na3d.diffusers import use_na3d
     use_na3d(decoder_model)   # or a pipeline, or any module containing the decoder
 
-Needs ``diffusers>=0.42`` (the ``diffusers`` extra: ``pip install -e ".[diffusers]"`` in a
-clone, or ``pip install "<wheel>[diffusers]"``); the core ``na3d``
-package never imports diffusers, only this module does.
+:func:`na3d.diffusers.use_na3d` finds the decoder's attention modules with
+:func:`attention_modules` and switches them with :func:`switch`.
 
 What diffusers does, and what this module relies on
 (``diffusers/models/autoencoders/ltx2_diffusion_decoder.py``, 0.42.1):
@@ -29,30 +28,22 @@ What diffusers does, and what this module relies on
   ``LTX2VideoVaeNeighborhoodAttnProcessor`` (the flex one). :class:`NA3DProcessor`
   deliberately does not subclass it, so with every attention module switched no mask
   is built: at production grids the mask alone would exceed device memory.
-  :func:`use_na3d` checks that this still holds for the installed diffusers and, if a
+  :func:`switch` checks that this still holds for the installed diffusers and, if a
   module's ``build_block_mask`` would build a mask anyway, guards that module instance
   (never the diffusers class or module globally).
 """
 
 import logging
 import types
-from typing import Optional, Tuple, Union
+from typing import List, Tuple
 
 import torch
+from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoVaeNeighborhoodAttention
 from torch import nn
 
-try:
-    from diffusers import DiffusionPipeline
-    from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoVaeNeighborhoodAttention
-except ImportError as error:  # diffusers missing, or older than the LTX-2.5 decoder
-    raise ImportError(
-        "na3d.diffusers needs diffusers>=0.42 (the LTX-2.5 diffusion decoder, "
-        "diffusers.models.autoencoders.ltx2_diffusion_decoder): pip install 'diffusers>=0.42'"
-    ) from error
+from ..api import na3d_flash_attn
 
-from .api import na3d_flash_attn
-
-__all__ = ["NA3DProcessor", "use_na3d"]
+__all__ = ["NA3DProcessor", "attention_modules", "switch"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,77 +147,26 @@ def _guard_mask_builder(module: LTX2VideoVaeNeighborhoodAttention) -> None:
     module.build_block_mask = types.MethodType(build_block_mask, module)
 
 
-def _modules_of(model) -> list:
-    """The ``nn.Module`` s to search: the model itself, or a pipeline's module components."""
-    if isinstance(model, nn.Module):
-        return [model]
-    components = getattr(model, "components", None)
-    if isinstance(components, dict):  # a diffusers DiffusionPipeline
-        return [c for c in components.values() if isinstance(c, nn.Module)]
-    raise TypeError(
-        "model must be a torch.nn.Module (e.g. an LTX2VideoDiffusionDecoderModel or its "
-        f"LTX2VideoDiffusionDecoder3d) or a diffusers pipeline, got {type(model).__name__}")
+def attention_modules(roots: List[nn.Module]) -> List[LTX2VideoVaeNeighborhoodAttention]:
+    """Every ``LTX2VideoVaeNeighborhoodAttention`` inside ``roots``, in module order."""
+    return [m for root in roots for m in root.modules() if isinstance(m, LTX2VideoVaeNeighborhoodAttention)]
 
 
-def use_na3d(model: Union[nn.Module, DiffusionPipeline], processor: Optional[NA3DProcessor] = None) -> int:
-    """Switch every ``LTX2VideoVaeNeighborhoodAttention`` in ``model`` to na3d.
-
-    Args:
-        model: an ``nn.Module`` containing the decoder's attention modules (an
-            ``LTX2VideoDiffusionDecoderModel``, its ``.decoder``, a single block...)
-            or a diffusers pipeline (e.g. ``LTX2VideoDiffusionDecodePipeline``; its
-            module components are searched). Any device and dtype na3d supports
-            (bfloat16, float16, float32; a float64 decoder raises ``TypeError`` at
-            its first attention call).
-        processor: the :class:`NA3DProcessor` (or subclass) instance to install,
-            shared by all modules; default a new ``NA3DProcessor()``.
-
-    Returns:
-        The number of attention modules switched.
-
-    Raises:
-        ValueError: ``model`` contains no such module (a switch that does nothing,
-            say on the convolutional ``AutoencoderKLLTX2Video``, would otherwise go
-            unnoticed).
-        TypeError: ``model`` is neither a module nor a pipeline, or ``processor`` is
-            not an ``NA3DProcessor``.
+def switch(modules: List[LTX2VideoVaeNeighborhoodAttention], processor: NA3DProcessor) -> int:
+    """Install ``processor`` on ``modules``; returns how many.
 
     After the switch the decoder builds no FlexAttention ``BlockMask``: diffusers' own
     ``build_block_mask`` skips processors that are not its flex processor. This is
     checked per module, and a module whose builder would still build one gets an
-    instance-level guard (see the module docstring). Switch back with
-    ``model.set_attn_processor(LTX2VideoVaeNeighborhoodAttnProcessor())``. Devices,
-    gradients and non-finite inputs: as :func:`na3d.na3d_flash_attn`.
-
-    Example (``examples/diffusers_decoder.py`` runs it on a tiny random decoder)::
-
-        decoder = LTX2VideoDiffusionDecoderModel.from_pretrained(path, torch_dtype=torch.bfloat16).to("cuda")
-        use_na3d(decoder)                    # returns the number of modules switched
-        decoder.enable_tiling()
-        with torch.no_grad():
-            video = decoder.decode(latent).sample
+    instance-level guard (see the module docstring).
     """
-    if processor is None:
-        processor = NA3DProcessor()
-    elif not isinstance(processor, NA3DProcessor):
-        raise TypeError(f"processor must be an NA3DProcessor (or subclass) instance, got {type(processor).__name__}")
-    switched = 0
     guarded = 0
-    for root in _modules_of(model):
-        for module in root.modules():
-            if not isinstance(module, LTX2VideoVaeNeighborhoodAttention):
-                continue
-            module.set_processor(processor)
-            switched += 1
-            if not _mask_builder_skips(module):
-                _guard_mask_builder(module)
-                guarded += 1
-    if switched == 0:
-        raise ValueError(
-            f"model ({type(model).__name__}) contains no LTX2VideoVaeNeighborhoodAttention module: nothing to "
-            "switch. Pass the LTX-2.5 diffusion decoder (LTX2VideoDiffusionDecoderModel), its .decoder, or the "
-            "LTX2VideoDiffusionDecodePipeline.")
+    for module in modules:
+        module.set_processor(processor)
+        if not _mask_builder_skips(module):
+            _guard_mask_builder(module)
+            guarded += 1
     if guarded:
         logger.info("na3d.diffusers: this diffusers version's build_block_mask does not skip non-flex processors; "
                     "guarded %d attention module instances so no BlockMask is built", guarded)
-    return switched
+    return len(modules)
