@@ -77,12 +77,12 @@ def hunyuan_inputs(valid=(5, 7), seed=1):
                 return_dict=False)
 
 
-def window_mask(grid, kernel_size, stride=1, dilation=1, is_causal=False):
+def window_mask(grid, kernel_size, stride=1, dilation=1, is_causal=False, device=None):
     """The oracle's window over the flattened grid: [N, N] bool, True where query i sees key j."""
     def triple(x):
         return tuple(x) if isinstance(x, (tuple, list)) else (x,) * 3
     return geometry.neighborhood_mask(grid, triple(kernel_size), triple(dilation), triple(is_causal),
-                                      stride=triple(stride))
+                                      device=device, stride=triple(stride))
 
 
 class MaskedWan(WanAttnProcessor):
@@ -93,8 +93,8 @@ class MaskedWan(WanAttnProcessor):
         self.window = window
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        return super().__call__(attn, hidden_states, encoder_hidden_states, window_mask(self.grid, *self.window),
-                                rotary_emb)
+        return super().__call__(attn, hidden_states, encoder_hidden_states,
+                                window_mask(self.grid, *self.window, device=hidden_states.device), rotary_emb)
 
 
 class MaskedHunyuan(HunyuanVideoAttnProcessor2_0):
@@ -108,8 +108,8 @@ class MaskedHunyuan(HunyuanVideoAttnProcessor2_0):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         n = hidden_states.shape[1]
         length = n + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
-        full = torch.ones(length, length, dtype=torch.bool)
-        full[:n, :n] = window_mask(self.grid, *self.window)
+        full = torch.ones(length, length, dtype=torch.bool, device=hidden_states.device)
+        full[:n, :n] = window_mask(self.grid, *self.window, device=hidden_states.device)
         if attention_mask is not None:
             full = full & attention_mask  # (B, 1, 1, L): the padded text keys
         return super().__call__(attn, hidden_states, encoder_hidden_states, full, image_rotary_emb)
