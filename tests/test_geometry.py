@@ -203,3 +203,47 @@ def test_union_width_bound_holds_for_every_length_and_box(causal):
         assert widest <= bound, (kernel, stride, box, widest, bound)
         if stride == 1:
             assert widest == bound, "the stride-1 bound is reached on long enough axes"
+
+
+@pytest.mark.parametrize("own", ["queries", "keys"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_box_pairs_agree_with_the_mask(own, causal):
+    # A pair is full when every query of one box sees every key of the other and the
+    # scanned box stays inside the scanned range: checked here from mask_1d itself,
+    # over lengths, kernels, strides and box sizes, including borders and short groups.
+    for length in (1, 5, 8, 12):
+        for kernel in range(1, length + 1, 2):
+            for stride in {1, 2, 3, kernel}:
+                if stride > kernel:
+                    continue
+                mask = geometry.mask_1d(length, kernel, is_causal=causal, stride=stride)
+                for box, scanned in ((1, 1), (2, 2), (2, 4), (4, 2), (4, 4)):
+                    scans = geometry.key_scans_1d if own == "queries" else geometry.query_scans_1d
+                    pairs = list(geometry.full_box_pairs_1d(length, kernel, box, scanned, causal, stride, own))
+                    expected = []
+                    for positions, steps in scans(length, kernel, box, scanned, causal, stride):
+                        for lo, hi in steps:
+                            others = list(range(lo, hi))
+                            inside = hi <= length and all(0 <= j < length for j in others)
+                            queries, keys = (positions, others) if own == "queries" else (others, positions)
+                            seen = inside and bool(mask[list(queries)][:, list(keys)].all())
+                            # (and no position of the scanned box outside the scanned range)
+                            if own == "queries":
+                                start, stop = geometry.union_of_windows(positions[0], positions[-1], length, kernel,
+                                                                        causal, stride)
+                            else:
+                                start, stop = geometry.queries_seeing(positions[0], positions[-1], length, kernel,
+                                                                      causal, stride)
+                            expected.append((seen and hi <= stop, box * scanned))
+                    assert pairs == expected, (length, kernel, stride, box, scanned)
+                    assert geometry.block_sparse_axis([length], kernel, box, scanned, causal, stride, own) == all(
+                        full for full, _ in expected)
+
+
+def test_full_products_share_on_a_perfectly_block_sparse_stride():
+    # NATTEN's showcase: 2x8x8 boxes in 2x8x8 stride groups, windows tiled by 2x8x8 key boxes.
+    grid, kernel, stride = (30, 48, 80), (18, 24, 24), (2, 8, 8)
+    assert geometry.full_products_share(grid, kernel, (2, 8, 8), (2, 8, 8), stride=stride) == 1.0
+    assert geometry.issued_flops_ratio(grid, kernel, (2, 8, 8), (2, 8, 8), stride=stride) == 1.0
+    # The stride-1 boxes issue more and hold masked pairs.
+    assert geometry.full_products_share(grid, kernel, (4, 4, 4), (2, 2, 16), stride=stride) < 1.0
