@@ -230,9 +230,9 @@ def stride_aligned_option(strided: Dict, shape: Triple, kernel_size: Triple, str
 
     The entry gives box sizes (``q_positions``, ``kv_positions``: queries and keys per
     box, powers of two) and launch settings; the box sides are chosen here, among
-    all power-of-two sides, for the fewest products issued on the call's grid with
-    its stride (``geometry.issued_flops_ratio``), then for the largest share of
-    products in full box pairs (``geometry.full_products_share``: no mask). Where a
+    all power-of-two sides, for the least work on the call's grid with its stride:
+    the products issued, those in masked box pairs counted ``MASKED_COST`` times
+    those in full pairs (``geometry.full_box_pairs_1d``: no mask). Where a
     box of queries fits inside one stride group along an axis, its queries share one
     window there, so key boxes that tile that window are seen whole: along every
     axis where that holds, and the kernel's sides divide it, the kernels run without
@@ -247,7 +247,8 @@ def stride_aligned_option(strided: Dict, shape: Triple, kernel_size: Triple, str
                                   strided["q_positions"], "keys")
     if q_tile is None or k_box is None:
         return None
-    option = {key: value for key, value in strided.items() if key not in ("q_positions", "kv_positions", "why")}
+    option = {key: value for key, value in strided.items()
+              if key not in ("q_positions", "kv_positions", "why", "measured")}
     backward = dict(strided.get("backward", {}), dq=[q_tile, kv_tile], dkdv=[k_box, q_box])
     return dict(option, q_tile=q_tile, kv_tile=kv_tile, backward=backward)
 
