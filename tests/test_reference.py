@@ -148,3 +148,44 @@ def test_sdpa_exact_differentiates():
 
 def test_docstring_examples():
     assert doctest.testmod(reference).failed == 0
+
+
+@pytest.mark.parametrize("where", ["key", "value", "query"])
+@pytest.mark.parametrize("features", [dict(), dict(stride=(1, 2, 2), is_causal=(True, False, False)),
+                                      dict(dilation=(1, 2, 1))], ids=["plain", "strided-causal", "dilated"])
+def test_isolated_reference_keeps_a_nan_inside_its_windows(where, features):
+    # A NaN reaches exactly the outputs and gradients whose windows hold it: the
+    # gathered oracle's NaNs, position for position (without ``isolate`` a key or
+    # value can reach the whole box of queries whose union of windows holds it).
+    shape, kernel = (1, 5, 6, 7, 2, 8), (3, 3, 3)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad_out = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(4))
+    {"key": k, "value": v, "query": q}[where][0, 2, 3, 3, 1, 5] = float("nan")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = na3d.na3d_sdpa_exact(*leaves, kernel, isolate=True, **features)
+    out.backward(grad_out)
+    oracle_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    oracle = na3d.na3d_windowed(*oracle_leaves, kernel, **features)
+    oracle.backward(grad_out)
+    assert torch.equal(out.isnan(), oracle.isnan()) and out.isnan().any()
+    for got, want in zip(leaves, oracle_leaves):
+        assert torch.equal(got.grad.isnan(), want.grad.isnan())
+    fine = ~oracle.isnan()
+    assert torch.allclose(out[fine], oracle[fine], atol=1e-12)
+
+
+def test_public_call_on_the_reference_path_isolates_non_finite_inputs(monkeypatch):
+    # The CPU path without the interpreter (ops.dispatch): a non-finite input makes it
+    # isolate; finite inputs keep the grouped calls.
+    from na3d import launch, reference
+    monkeypatch.setattr(launch, "kernels_interpreted", lambda: False)
+    seen = []
+    real = reference.na3d_sdpa_exact
+    monkeypatch.setattr(reference, "na3d_sdpa_exact", lambda *a, **kw: seen.append(kw["isolate"]) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 4, 5, 6, 2, 8) for _ in range(3))
+    na3d.na3d(q, k, v, 3)
+    k[0, 1, 1, 1, 0, 0] = float("inf")
+    out = na3d.na3d(q, k, v, 3)
+    na3d.na3d(q, k, v, 3, assume_finite=True)
+    assert seen == [False, True, False]
+    assert torch.equal(out.isnan(), na3d.na3d_windowed(q, k, v, (3, 3, 3)).isnan())

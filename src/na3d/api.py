@@ -216,9 +216,10 @@ def na3d(
     Non-finite inputs: an inf or NaN in a query, key or value reaches exactly the
     outputs, log-sum-exps and gradients whose windows hold it, as IEEE arithmetic
     over each window gives them; every other element is what a zero in its place
-    would give, bit for bit (kernels and references alike; the README's
-    "non-finite inputs" row). ``assume_finite=True`` drops that guarantee for
-    speed.
+    would give, bit for bit (the README's "non-finite inputs" row). On the CPU
+    without the interpreter, the reference path computes each query on its own
+    when an input is not finite (exact and isolated, but one SDPA call per query:
+    slow on large grids). ``assume_finite=True`` drops the guarantee for speed.
 
     Example:
         >>> import torch, na3d

@@ -184,5 +184,8 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
     if key.shape[4] != query.shape[4]:  # the reference takes one key/value head per query head
         shape = (*key.shape[:4], key.shape[4], query.shape[4] // key.shape[4], key.shape[5])
         key, value = (x.unsqueeze(5).expand(shape).flatten(4, 5) for x in (key, value))
+    # A non-finite input stays inside its windows only when each query's keys are its
+    # window alone: one SDPA call per query then (slow, and only for such inputs).
+    isolate = check_nonfinite and not all(bool(torch.isfinite(t).all()) for t in (query, key, value))
     return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
-                                     is_causal=causal, stride=stride, dilation=dilation)
+                                     is_causal=causal, stride=stride, dilation=dilation, isolate=isolate)

@@ -69,6 +69,10 @@ def na3d_brute_force(
         dilation: ``(dT, dH, dW)``, each ``K * d <= size``: every dilation group
             (positions ``g + d * i``) computed on its own as a strided view, the
             results interleaved back (``w_offset`` must then be 0).
+        isolate: one query per SDPA call, whose keys are then exactly its window:
+            an inf or NaN input reaches exactly the results whose windows hold it
+            (forward and autograd), at the price of a call per query (what
+            :func:`na3d.na3d` runs on the CPU when an input is not finite).
 
     Returns:
         The output in q's dtype; with ``return_lse``, ``(out, lse)``, ``lse``
@@ -263,6 +267,7 @@ def na3d_sdpa_exact(
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
     dilation: Sequence[int] = (1, 1, 1),
+    isolate: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact neighborhood attention from grouped ``F.scaled_dot_product_attention`` calls.
 
@@ -294,6 +299,10 @@ def na3d_sdpa_exact(
         dilation: ``(dT, dH, dW)``, each ``K * d <= size``: every dilation group
             (positions ``g + d * i``) computed on its own as a strided view, the
             results interleaved back (``w_offset`` must then be 0).
+        isolate: one query per SDPA call, whose keys are then exactly its window:
+            an inf or NaN input reaches exactly the results whose windows hold it
+            (forward and autograd), at the price of a call per query (what
+            :func:`na3d.na3d` runs on the CPU when an input is not finite).
 
     Returns:
         The output ``(B, T, H, Wq, NH, HD)`` in q's dtype, or ``(out, lse)``.
@@ -305,9 +314,10 @@ def na3d_sdpa_exact(
 
     Boxes are visited grouped by geometry, so each mask is built once per call and
     only one is alive at a time; nothing is cached across calls. No host-device
-    synchronization. Devices: wherever q is. Non-finite inputs: values inside a
-    box's union of windows but outside a query's window can reach it, as in na3d's
-    kernels (the README's "non-finite inputs" row).
+    synchronization. Devices: wherever q is. Non-finite inputs: without
+    ``isolate``, a key or value inside a box's union of windows but outside a
+    query's window can reach that query (its score or weight is masked, but
+    ``0 * inf`` and ``NaN - inf`` are NaN); with ``isolate``, none can.
 
     Example:
         >>> import torch, na3d
@@ -328,7 +338,7 @@ def na3d_sdpa_exact(
                              f"w_offset={w_offset}, Wq={Wq}, W={W}")
         return _by_dilation_groups(functools.partial(
             na3d_sdpa_exact, kernel_size=kernel_size, scale=scale, memory_budget=memory_budget, return_lse=return_lse,
-            is_causal=is_causal, stride=stride), q, k, v, dilation, return_lse)
+            is_causal=is_causal, stride=stride, isolate=isolate), q, k, v, dilation, return_lse)
     scale = HD ** -0.5 if scale is None else scale
     shape = (T, H, W)
     kernel_size = tuple(int(x) for x in kernel_size)
@@ -339,6 +349,8 @@ def na3d_sdpa_exact(
                     for (a, b), L, K, c, st in zip(q_ranges, shape, kernel_size, is_causal, stride))
     ext, bsz, hsz = _plan_tiles(classes, shape, kernel_size, B, NH, HD, q.element_size(),
                                 memory_budget, q.is_cuda, is_causal, stride)
+    if isolate:  # (a box of one query: its union of windows is its window)
+        ext = (1, 1, 1)
     per_dim = [_runs_1d(cl, e, L, K, c, st)
                for cl, e, L, K, c, st in zip(classes, ext, shape, kernel_size, is_causal, stride)]
 
