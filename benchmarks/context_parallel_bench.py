@@ -704,6 +704,8 @@ class Bench:
 
 
 def print_table(rows: List[dict]) -> None:
+    if not any(r.get("ms") for r in rows):
+        return
     log(f"\n{'row':<34}{'pass':>8}{'method':>15}{'ms':>10}{'1 dev ms':>10}{'eff':>7}{'overlap':>9}"
         f"{'MiB sent (max)':>16}{'ok':>4}")
     for r in rows:
