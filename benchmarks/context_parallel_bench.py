@@ -19,7 +19,8 @@ with ``overlap=True``; ``head_parallel``: ``head_parallel_na3d``):
 * **Check.** Each rank runs its slab forward and backward; the output and dq, dk, dv
   slabs are gathered on rank 0 and compared there with the single-device result on the
   full tensors. Rank 0 computes, once per shape, the float32 oracle (``na3d`` on the
-  inputs cast to float32: true float32 products on GPUs) and the single-device ``na3d``
+  inputs cast to float32: true float32 products on GPUs; ``--oracle sdpa``, or if that
+  fails, the grouped-SDPA reference the benchmark uses) and the single-device ``na3d``
   at the run's dtype. Tolerance per tensor, as in the tests: twice the single-device
   result's own error against the oracle (the same math at the dtype), plus a rounding
   band of ``2 * eps * max(1, max |oracle|)``.
@@ -98,7 +99,8 @@ from na3d.distributed import (even_slab_sizes, halo_plan, head_parallel_bytes, h
                               sharded_na3d, slab_bounds)
 from na3d.distributed import halo as halo_module  # noqa: E402
 from na3d.distributed import head_parallel as head_parallel_module  # noqa: E402
-from na3d.tools.bench import device_slug, git_commit, write_merged_results  # noqa: E402
+from na3d.reference import na3d_sdpa_exact  # noqa: E402
+from na3d.tools.bench import device_slug, git_commit, reference_grads, write_merged_results  # noqa: E402
 from na3d.tools.common import bench_shapes, log  # noqa: E402
 
 GRAD_NAMES = ("dq", "dk", "dv")
@@ -306,6 +308,8 @@ def shape_rows(name: str, spec: dict, context: dict, measured: dict) -> List[dic
             row["within_tolerance"][method] = check["within_tolerance"]
             row["tolerance"] = {k: float(f"{v:.3e}") for k, v in check["tolerance"].items()}
             row["single_gpu_max_abs_err"] = {k: float(f"{v:.3e}") for k, v in check["single_max_abs_err"].items()}
+        if measured.get("oracle"):
+            row["oracle"] = measured["oracle"]
         if "halo" in row["bytes_sent"]:
             row["halo_bytes"] = row["bytes_sent"]["halo"]
         if measured.get("skipped"):
@@ -460,16 +464,35 @@ def global_tensors(shape, dtype, device, seed: int) -> List[torch.Tensor]:
     return [torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4)]
 
 
-def single_device(q, k, v, do, kernel_size) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """(oracle, single): [out, dq, dk, dv] of na3d on the float32 inputs, and at their dtype."""
-    def run(inputs, grad):
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        out = na3d.na3d(*leaves, kernel_size)
-        grads = torch.autograd.grad(out, leaves, grad)
-        return [out.detach(), *grads]
+def _forward_backward(inputs, grad, kernel_size) -> List[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = na3d.na3d(*leaves, kernel_size)
+    grads = torch.autograd.grad(out, leaves, grad)
+    return [out.detach(), *grads]
 
-    oracle = run([t.float() for t in (q, k, v)], do.float())
-    return oracle, run((q, k, v), do)
+
+def single_device(q, k, v, do, kernel_size) -> List[torch.Tensor]:
+    """[out, dq, dk, dv] of na3d on the full tensors, at their dtype."""
+    return _forward_backward((q, k, v), do, kernel_size)
+
+
+def float32_oracle(q, k, v, do, kernel_size, kind: str = "na3d") -> Tuple[List[torch.Tensor], str]:
+    """[out, dq, dk, dv] in float32, and what computed them: na3d on the inputs cast to
+    float32 (true float32 products on GPUs), or, with ``kind="sdpa"`` or when that fails,
+    the benchmark's float32 grouped-SDPA reference (``na3d_sdpa_exact``, and
+    ``reference_grads`` W chunk by W chunk)."""
+    if kind == "na3d":
+        try:
+            return _forward_backward([t.float() for t in (q, k, v)], do.float(), kernel_size), "na3d float32"
+        except Exception as exc:  # e.g. a float32 configuration this device cannot hold
+            log(f"  float32 na3d failed ({type(exc).__name__}: {str(exc)[:200]}): the float32 grouped-SDPA "
+                "reference instead")
+            if q.device.type == "cuda":
+                torch.cuda.empty_cache()
+    with torch.no_grad():
+        out = na3d_sdpa_exact(q.float(), k.float(), v.float(), kernel_size)
+    grads = reference_grads(q, k, v, do, kernel_size, q.shape[-1] ** -0.5)
+    return [out, *grads], "na3d_sdpa_exact float32"
 
 
 def step(fn: Callable, leaves: Sequence[torch.Tensor], do: torch.Tensor) -> Callable:
@@ -559,12 +582,12 @@ class Bench:
         if run.rank == 0:
             log(f"[{name}] {shape} kernel {ks}, slabs {sizes} along {AXES[dim]}: float32 oracle and "
                 "single-device na3d on rank 0")
-            oracle, single = single_device(*full, ks)
-            fq, fk, fv, fdo = full
-            measured["single_ms"]["fwd"] = run.time_alone(forward_only(lambda *t: na3d.na3d(*t, ks), (fq, fk, fv)))
-            fleaves = [t.detach().clone().requires_grad_() for t in (fq, fk, fv)]
-            measured["single_ms"]["fwd+bwd"] = run.time_alone(step(lambda *t: na3d.na3d(*t, ks), fleaves, fdo))
-            del fleaves
+            oracle, measured["oracle"] = float32_oracle(*full, ks, args.oracle)
+            single = single_device(*full, ks)
+            measured["single_ms"]["fwd"] = run.time_alone(forward_only(lambda *t: na3d.na3d(*t, ks), full[:3]))
+            leaves = [t.detach().clone().requires_grad_() for t in full[:3]]
+            measured["single_ms"]["fwd+bwd"] = run.time_alone(step(lambda *t: na3d.na3d(*t, ks), leaves, full[3]))
+            del leaves
         del full
         self.free()
         run.barrier()
@@ -622,7 +645,8 @@ class Bench:
         # 1. Uneven slabs: the same tolerance rule as the shape rows.
         oracle = single = None
         if run.rank == 0:
-            oracle, single = single_device(*full, ks)
+            oracle, row["oracle"] = float32_oracle(*full, ks, args.oracle)
+            single = single_device(*full, ks)
         slabs = self.slabs(full, sizes)
         for method in methods:
             got, _, _ = self.check(method, ks, *slabs, sizes)
@@ -657,7 +681,7 @@ class Bench:
                                   "(GPU, or TRITON_INTERPRET=1 with --dtype float16)")
         expected = expected_nan_masks(shape, ks, position) if run.rank == 0 else None
         if run.rank == 0:
-            _, single = single_device(*full, ks)
+            single = single_device(*full, ks)
             row["nan"]["single_as_expected"] = {n: bool(torch.equal(nan_positions(t), expected[n]))
                                                 for n, t in zip(names, single)}
             if judged:
@@ -731,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--shard-dim", type=int, choices=(1, 2, 3), default=1, help="1 = T (default), 2 = H, 3 = W")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per measurement (default 5; --tiny 2)")
+    parser.add_argument("--oracle", choices=("na3d", "sdpa"), default="na3d",
+                        help="the float32 reference: na3d on float32 inputs (default; falls back to sdpa if it "
+                             "fails) or the grouped-SDPA reference (na3d_sdpa_exact, reference_grads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-faults", action="store_true", help="skip the fault checks")
     parser.add_argument("--out-dir", default=None,

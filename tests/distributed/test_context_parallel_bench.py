@@ -133,6 +133,7 @@ def test_shape_rows():
               "fwd+bwd": {"ms": 30.0, "compute_ms": 25.0, "comm_ms": 5.0}}
     planned = {"fwd": [100, 200], "bwd": [120, 180]}
     measured = {"single_ms": {"fwd": 18.0, "fwd+bwd": 50.0}, "skipped": {"halo_overlap": "ValueError: x"},
+                "oracle": "na3d float32",
                 "methods": {
                     "halo": {"passes": timing, "bytes": planned, "planned": planned,
                              "check": {"fwd": _check(0.002), "fwd+bwd": _check(0.005)}},
@@ -152,7 +153,7 @@ def test_shape_rows():
     assert step["bytes_sent"]["head_parallel"]["as_planned"] is False
     assert step["within_tolerance"] == {"halo": True, "head_parallel": False}
     assert step["tolerance"]["dk"] == 0.01 and step["single_gpu_max_abs_err"]["out"] == 0.004
-    assert step["skipped"] == {"halo_overlap": "ValueError: x"}
+    assert step["skipped"] == {"halo_overlap": "ValueError: x"} and step["oracle"] == "na3d float32"
     assert all(math.isfinite(x) for x in step["ms"].values())
 
 
@@ -170,3 +171,23 @@ def test_shapes():
     assert full["ltx-stage5"] == dict(shape=(1, 66, 128, 192, 4, 64), kernel_size=(11, 11, 11))
     assert full["dit-hunyuan"] == dict(shape=(1, 30, 48, 80, 24, 128), kernel_size=(18, 24, 24))
     assert sorted(cpb.shape_specs(tiny=True)) == ["tiny-dit", "tiny-ltx"]
+
+
+def test_float32_oracle_falls_back_to_the_sdpa_reference(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(1, 5, 4, 6, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    kernel = (3, 3, 5)
+    first, name = cpb.float32_oracle(q, k, v, do, kernel)
+    assert name == "na3d float32" and all(t.dtype == torch.float32 for t in first)
+    second, name = cpb.float32_oracle(q, k, v, do, kernel, kind="sdpa")
+    assert name == "na3d_sdpa_exact float32"
+    for a, b in zip(first, second):
+        assert (a - b).abs().max() < 1e-5
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(cpb.na3d, "na3d", fails)
+    third, name = cpb.float32_oracle(q, k, v, do, kernel)
+    assert name == "na3d_sdpa_exact float32"
+    assert all(torch.equal(a, b) for a, b in zip(second, third))
