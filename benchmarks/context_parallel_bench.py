@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import math
 import os
 import platform
 import statistics

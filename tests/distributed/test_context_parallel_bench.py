@@ -191,3 +191,22 @@ def test_float32_oracle_falls_back_to_the_sdpa_reference(monkeypatch):
     third, name = cpb.float32_oracle(q, k, v, do, kernel)
     assert name == "na3d_sdpa_exact float32"
     assert all(torch.equal(a, b) for a, b in zip(second, third))
+
+
+def test_nccl_with_fewer_gpus_than_ranks_names_the_alternatives(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    parser = cpb.build_parser()
+    with pytest.raises(SystemExit):
+        cpb.setup(parser.parse_args([]), parser)
+    message = capsys.readouterr().err
+    assert "Duplicate GPU" in message and "--backend gloo" in message and "--device cpu --tiny" in message
+
+
+def test_the_cpu_mode_needs_tiny_shapes(capsys):
+    parser = cpb.build_parser()
+    with pytest.raises(SystemExit):
+        cpb.setup(parser.parse_args(["--device", "cpu"]), parser)
+    assert "--tiny" in capsys.readouterr().err
