@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -61,7 +60,7 @@ from typing import Callable, List, Optional
 import torch
 
 from na3d.tools import peers
-from na3d.tools.bench import device_slug, git_commit, merged_results
+from na3d.tools.bench import device_slug, git_commit, write_merged_results
 from na3d.tools.common import Timer, bench_shapes, log
 
 # diffusers' config of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (transformer/config.json).
@@ -387,20 +386,6 @@ def print_tables(rows: List[dict]) -> None:
             log(f"  {r['name']} {r['pass']} {method}: {error}")
 
 
-def write_results(path: str, rows: List[dict], fields: dict, complete: bool) -> None:
-    """Merge ``rows`` into the results file at ``path`` (rows of the same name and pass replaced)."""
-    kept = []
-    if os.path.exists(path):
-        with open(path) as f:
-            earlier = json.load(f)
-        kept = earlier.pop("rows", [])
-        earlier.pop("incomplete", None)
-        fields = earlier  # the file's own fields describe its other rows; ours carry their stamps
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(merged_results(fields, kept, rows, complete), f, indent=1)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", choices=("wan", "hunyuan", "comfy"), default=None,
@@ -456,7 +441,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def save(complete: bool) -> None:
         if not args.no_write:
-            write_results(path, rows, fields, complete)
+            write_merged_results(path, rows, fields, complete)
 
     for family, row_name in (("wan", "wan-1.3b-step"), ("hunyuan", "hunyuan-blocks")):
         if family not in parts:

@@ -4,11 +4,25 @@ Gloo groups of 2 CPU processes in the default run, 3 and 4 (slabs thinner than t
 halo) in the slow one; NCCL on two GPUs. See ``ranks.py`` for how a case runs.
 """
 
+import contextlib
+
 import pytest
 import torch
 
 from na3d import launch
+from na3d.distributed import halo
 from ranks import by_world, check_case, check_halo_exchange, on_two_gpus, spawn
+
+
+@contextlib.contextmanager
+def staged_through_host():
+    """Every message goes through host copies, as gloo needs for CUDA tensors (forced on CPU ones)."""
+    original = halo._stages_through_host
+    halo._stages_through_host = lambda group, device: True
+    try:
+        yield
+    finally:
+        halo._stages_through_host = original
 
 
 def halo_world2(rank, world):
@@ -23,6 +37,11 @@ def halo_world2(rank, world):
     check_case(rank, (1, 6, 4, 4, 1, 8), (5, 3, 3), 1, (2, 4), grad=False, return_lse=True)
     check_case(rank, (1, 6, 4, 4, 1, 8), (3, 3, 3), 1, (4, 2), grad=False, return_lse=True, overlap=True)
     check_halo_exchange(rank, (1, 7, 3, 3, 1, 8), (5, 3, 3), 1, (1, 6))
+    # The host hop of gloo with CUDA tensors (forced here on CPU tensors): the same
+    # rows and gradients, the same elements sent.
+    with staged_through_host():
+        check_case(rank, small, (5, 3, 3), 1, (5, 2), count=True)
+        check_case(rank, small, (5, 3, 3), 1, (5, 2), overlap=True)
 
 
 def halo_world3(rank, world):
@@ -43,6 +62,14 @@ def halo_world4(rank, world):
     check_case(rank, (1, 3, 5, 3, 1, 8), (3, 5, 3), 2, (1, 1, 1, 2), count=True, overlap=True)
     check_case(rank, (1, 9, 3, 3, 1, 8), (5, 3, 3), 1, (3, 2, 1, 3), count=True)
     check_halo_exchange(rank, (1, 5, 3, 2, 1, 8), (5, 1, 1), 1, (1, 1, 1, 2))
+
+
+@pytest.mark.parametrize("backend,device,staged", [
+    ("gloo", "cpu", False), ("gloo", "cuda", True), ("nccl", "cuda", False),
+    ("cpu:gloo,cuda:nccl", "cuda", False), ("cpu:gloo,cuda:gloo", "cuda", True), ("cpu:gloo,cuda:nccl", "cpu", False)])
+def test_host_staging_only_for_device_tensors_on_gloo(monkeypatch, backend, device, staged):
+    monkeypatch.setattr(halo.dist, "get_backend", lambda group=None: backend)
+    assert halo._stages_through_host(None, torch.device(device)) is staged
 
 
 @pytest.mark.parametrize("world,suite", by_world(halo_world2, halo_world3, halo_world4))

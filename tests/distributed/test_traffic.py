@@ -51,6 +51,13 @@ def test_head_parallel_bytes_total_matches_a_hand_count():
     sent = nadist.head_parallel_bytes(shape, (3, 5), shard_dim=1, dtype=torch.float32)
     per_position_one_head = 4 * 4 * 8 * 4
     assert sent == ((3 * 3 + 5) * per_position_one_head, (3 * 5 + 3) * per_position_one_head)
+    # The backward's reverse all-to-alls: each rank sends what it received (dO of its
+    # slab out, then dQ, dK, dV of its heads at the other slab's positions).
+    back = nadist.head_parallel_bytes(shape, (3, 5), shard_dim=1, dtype=torch.float32, backward=True)
+    assert back == ((3 + 3 * 5) * per_position_one_head, (5 + 3 * 3) * per_position_one_head)
+    assert sum(back) == sum(sent)
+    even = nadist.head_parallel_bytes(shape, (4, 4), shard_dim=1)
+    assert nadist.head_parallel_bytes(shape, (4, 4), shard_dim=1, backward=True) == even
 
 
 def test_traffic_table_has_every_split():

@@ -1,6 +1,7 @@
 """The benchmark (``na3d.tools.bench``): the README's main command works on a machine without a
 GPU (a CPU demonstration); its accounting, table and plot; on a GPU, its timers and rows."""
 
+import json
 import math
 
 import pytest
@@ -387,3 +388,18 @@ def test_feature_rows_replay_the_backward_in_graphs():
         row = bench.feature_row(spec, feature, "bwd", timer, device, gpu_timer=gpu_timer)
         assert set(row["gpu_ms"]) == {"plain", "feature"}
         assert all(math.isfinite(ms) for ms in row["gpu_ms"].values())
+
+
+def test_write_merged_results_keeps_the_files_fields_and_other_rows(tmp_path):
+    """A new file gets the given fields; one already there keeps its own fields and its
+    rows not measured again (same name and pass replaced), and loses "incomplete"."""
+    path = tmp_path / "sub" / "h100.json"
+    first = {"name": "a", "pass": "fwd", "ms": 1.0}
+    bench.write_merged_results(str(path), [first], {"device": "X", "commit": "1"}, complete=False)
+    written = json.loads(path.read_text())
+    assert written["device"] == "X" and written["rows"] == [first] and "incomplete" in written
+    again, other = dict(first, ms=2.0), {"name": "b", "pass": "fwd+bwd", "ms": 3.0}
+    bench.write_merged_results(str(path), [again, other], {"device": "Y", "commit": "2"}, complete=True)
+    written = json.loads(path.read_text())
+    assert written["device"] == "X" and written["commit"] == "1" and "incomplete" not in written
+    assert written["rows"] == [again, other]

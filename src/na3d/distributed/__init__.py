@@ -24,7 +24,10 @@ and are checked on every rank (:mod:`.layout`): a bad argument on one rank raise
 all of them instead of leaving the others waiting in a collective.
 
 Backends: NCCL with CUDA tensors (``torch.cuda.set_device`` called per rank), gloo
-with CPU tensors. Gradients flow through whatever :func:`na3d.na3d` differentiates
+with CPU tensors. Gloo also takes CUDA tensors (several ranks may then share one GPU,
+which NCCL refuses): its collectives copy through host memory themselves, and the halo
+exchange's point-to-point messages are staged through host copies here; for checking
+code paths on fewer GPUs than ranks, not for speed. Gradients flow through whatever :func:`na3d.na3d` differentiates
 with on that device (its backward kernels on GPUs); the communication half of the
 backward is the same everywhere.
 """

@@ -30,6 +30,49 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def _stages_through_host(group, device: torch.device) -> bool:
+    """True when ``group`` carries ``device``'s tensors with gloo and they are not CPU tensors.
+
+    Gloo's collectives take CUDA tensors (they copy through host memory themselves),
+    but its point-to-point ``send``/``recv`` hand the tensor's pointer to the TCP
+    transport as host memory: device tensors must be copied to the host first.
+    """
+    if device.type == "cpu":
+        return False
+    for part in str(dist.get_backend(group)).lower().split(","):
+        kind, _, backend = part.strip().rpartition(":")   # "gloo" or "cuda:gloo"
+        if backend == "gloo" and kind in ("", device.type):
+            return True
+    return False
+
+
+class _HostStaging:
+    """Point-to-point messages of device tensors through host copies (gloo with CUDA tensors).
+
+    ``sends`` and ``receives`` are replaced by host tensors; the object returned by
+    :meth:`after` is waited on like the messages' works, and copies each received host
+    tensor into its device tensor once every message has completed. Only for backends
+    that cannot send device memory (:func:`_stages_through_host`); NCCL sends directly.
+    """
+
+    def __init__(self, sends, receives):
+        self.sends = [(peer, t.to("cpu")) for peer, t in sends]
+        self.targets = [t for _, t in receives]
+        self.receives = [(peer, torch.empty(t.shape, dtype=t.dtype)) for peer, t in receives]
+        self.works: List = []
+
+    def after(self, works) -> "_HostStaging":
+        self.works = list(works)
+        return self
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        for target, (_, host) in zip(self.targets, self.receives):
+            target.copy_(host)
+        self.works, self.targets, self.sends, self.receives = [], [], [], []
+
+
 class _HaloExchange:
     """One halo exchange of (K, V) along the sharded axis: plan, buffers, messages.
 
@@ -73,9 +116,17 @@ class _HaloExchange:
         return flat.narrow(0, offset, numel).view(self._piece_shape(stop - start))
 
     def _post(self, sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]]):
+        """Post the messages; returns what to ``wait()`` on (receives are complete after it)."""
+        staged = None
+        if (sends or receives) and _stages_through_host(self.group, self.device):
+            staged = _HostStaging(sends, receives)
+            sends, receives = staged.sends, staged.receives
         ops = [dist.P2POp(dist.isend, t, _global_rank(self.group, peer), self.group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, _global_rank(self.group, peer), self.group) for peer, t in receives]
-        return dist.batch_isend_irecv(ops) if ops else []
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if staged is not None:
+            return [staged.after(works)]
+        return works
 
     def _empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
@@ -278,7 +329,8 @@ def sharded_na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         value: the same slab of the global value, query's shape.
         kernel_size: int or ``(KT, KH, KW)``, ``1 <= K <= global size`` per axis.
         group: the process group (default: the world). NCCL with CUDA tensors (one
-            device per rank, ``torch.cuda.set_device`` called), gloo with CPU ones.
+            device per rank, ``torch.cuda.set_device`` called), gloo with CPU ones
+            (or CUDA ones, messages staged through host memory: slow, for checks).
         shard_dim: the sharded axis, 1 (T), 2 (H) or 3 (W).
         slab_sizes: every rank's slab size along ``shard_dim``, in rank order; when
             None they are learned with one small ``all_gather``, which also checks the

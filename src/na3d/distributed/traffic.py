@@ -33,15 +33,17 @@ def even_slab_sizes(length: int, parts: int) -> Tuple[int, ...]:
 
 @dataclass(frozen=True)
 class HaloPlan:
-    """Traffic of one :func:`na3d.distributed.sharded_na3d` forward (backward moves the same bytes back)."""
+    """Traffic of one :func:`na3d.distributed.sharded_na3d` forward. The backward moves the
+    same messages the other way (halo gradients back to their owners): in it each rank
+    sends its forward ``received_bytes``."""
 
     shard_dim: int
     slab_sizes: Tuple[int, ...]
     transfers: Tuple[HaloTransfer, ...]
     key_ranges: Tuple[Tuple[int, int], ...]
     kv_bytes_per_position: int           # K and V of one position along shard_dim
-    sent_bytes: Tuple[int, ...]          # per rank
-    received_bytes: Tuple[int, ...]      # per rank
+    sent_bytes: Tuple[int, ...]          # per rank, forward
+    received_bytes: Tuple[int, ...]      # per rank, forward (= sent in the backward)
     padded_query_overhead: Tuple[float, ...]  # extra query rows computed / own rows, per rank
 
 
@@ -65,8 +67,8 @@ def halo_plan(global_shape: Sequence[int], kernel_size: Union[int, Sequence[int]
               dtype: torch.dtype = torch.bfloat16) -> HaloPlan:
     """Bytes each rank sends and receives in :func:`na3d.distributed.sharded_na3d`'s forward.
 
-    Counts exactly the messages ``sharded_na3d`` posts; its backward moves the same
-    bytes back. Pure arithmetic: no process group, no device.
+    Counts exactly the messages ``sharded_na3d`` posts; its backward sends the same
+    messages back, so a rank sends its ``received_bytes`` in the backward. Pure arithmetic: no process group, no device.
 
     Args:
         global_shape: ``(B, T, H, W, NH, HD)`` of the whole problem.
@@ -107,13 +109,17 @@ def halo_plan(global_shape: Sequence[int], kernel_size: Union[int, Sequence[int]
 
 
 def head_parallel_bytes(global_shape: Sequence[int], slab_sizes: Union[int, Sequence[int]], *,
-                        shard_dim: int = 1, dtype: torch.dtype = torch.bfloat16) -> Tuple[int, ...]:
+                        shard_dim: int = 1, dtype: torch.dtype = torch.bfloat16,
+                        backward: bool = False) -> Tuple[int, ...]:
     """Bytes each rank sends in :func:`na3d.distributed.head_parallel_na3d`'s forward (both all-to-alls).
 
     Rank r sends q, k, v of its slab for the other ranks' heads, then the output of
-    its heads at the other ranks' positions; backward sends the same amounts (dO
-    first, then dQ, dK, dV). Counts only what leaves the rank. Valid when the head
-    count divides by the number of ranks (otherwise head_parallel_na3d refuses).
+    its heads at the other ranks' positions. The backward runs the reverse
+    all-to-alls (dO first, then dQ, dK, dV): each rank sends what it received in the
+    forward, ``backward=True`` counts that. With even slabs the two are equal; with
+    uneven ones a thicker slab sends more in the forward and less in the backward.
+    Counts only what leaves the rank. Valid when the head count divides by the number
+    of ranks (otherwise head_parallel_na3d refuses).
 
     Arguments as :func:`halo_plan` (without a kernel: the traffic does not depend on
     it). Raises ``ValueError`` when ``NH`` does not divide by the number of ranks.
@@ -131,6 +137,10 @@ def head_parallel_bytes(global_shape: Sequence[int], slab_sizes: Union[int, Sequ
     length = global_shape[shard_dim]
     per_position_all_heads = math.prod(global_shape) // length * element
     per_position_per_rank_heads = per_position_all_heads // world
+    if backward:
+        return tuple(n * per_position_per_rank_heads * (world - 1)          # dO out
+                     + 3 * (length - n) * per_position_per_rank_heads       # dQ, dK, dV back
+                     for n in sizes)
     return tuple(3 * n * per_position_per_rank_heads * (world - 1)          # q, k, v out
                  + (length - n) * per_position_per_rank_heads               # output back
                  for n in sizes)

@@ -903,6 +903,22 @@ def merged_results(fields: dict, kept: List[dict], rows: List[dict], complete: b
     return result
 
 
+def write_merged_results(path: str, rows: List[dict], fields: dict, complete: bool) -> None:
+    """Merge ``rows`` into the results file at ``path`` (:func:`merged_results`: rows of the
+    same name and pass replaced, the others kept). A file already there keeps its own
+    top-level fields (they describe its other rows: stamp new rows with their own);
+    a new file gets ``fields``."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        kept = earlier.pop("rows", [])
+        earlier.pop("incomplete", None)
+        fields = earlier
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(merged_results(fields, kept, rows, complete), f, indent=1)
+
 
 def cpu_demo() -> None:
     log("No GPU found: running a small CPU demonstration instead (no results file written).")
