@@ -45,10 +45,8 @@ positions of the output and of dq, dk, dv must equal, exactly, those of the sing
 result on the same input and those na3d's contract gives (the queries whose windows hold
 the key; for dk, dv every key of those queries' windows); and a head count that does not
 divide by N, which ``head_parallel_na3d`` must refuse with a ``ValueError`` on every rank.
-Without a GPU, na3d's exact CPU path is no reference for NaN positions (a non-finite key
-reaches the other queries of its box there): the NaN check is recorded, not judged, unless
-the kernels run in the Triton interpreter (``TRITON_INTERPRET=1 ... --dtype float16``;
-minutes).
+On the CPU without the interpreter, na3d's reference path computes each query on its own
+when an input is not finite, so the check is judged there too.
 
 Rows (rank 0) are merged into ``<out-dir>/<card>.json`` (``h100.json``; rows of the same
 name and pass replaced, each row stamped with its device, commit and versions):
@@ -667,17 +665,9 @@ class Bench:
                 position[axis] = shape[axis] // 2
         full[1][tuple(position) + (0,)] = float("nan")
         names = ["out", *GRAD_NAMES]
-        # na3d's exact CPU path (na3d_sdpa_exact, used without a GPU and without the
-        # interpreter) lets a non-finite key reach the other queries of its box (its
-        # docstring says so): there the single-device result is no reference for NaN
-        # positions, and this check is recorded but not judged.
-        judged = not (run.device.type == "cpu" and not launch.kernels_interpreted())
+        judged = True  # (every path of na3d keeps a non-finite input inside its windows)
         row["nan"] = {"poisoned": {"tensor": "key", "rank": poisoned_rank, "position": position + [0]},
                       "judged": judged}
-        if not judged:
-            row["nan"]["note"] = ("na3d's CPU reference path (na3d_sdpa_exact) lets a non-finite key reach the "
-                                  "queries of its box outside their windows; the check is judged on the kernels "
-                                  "(GPU, or TRITON_INTERPRET=1 with --dtype float16)")
         expected = expected_nan_masks(shape, ks, position) if run.rank == 0 else None
         if run.rank == 0:
             single = single_device(*full, ks)
@@ -697,8 +687,6 @@ class Bench:
                     f"{'as expected' if all(result['as_expected'].values()) else 'NOT AS EXPECTED'}, "
                     f"{'equal to' if all(result['matches_single'].values()) else 'DIFFERENT FROM'} the single-device "
                     f"ones (output NaN on ranks {result['nan_ranks_out']})" + ("" if judged else "; not judged here"))
-        if run.rank == 0 and not judged:
-            log(f"  (not judged: {row['nan']['note']})")
         del full, slabs, oracle, single
         self.free()
 
