@@ -69,7 +69,7 @@ def test_dilation_forward_and_backward(case, dtype):
     grad_out = make_qkv(shape, dtype, device=DEVICE, seed=3)[0]
     features = dict(is_causal=causal, stride=stride, dilation=dilation)
     out = torch.full_like(q, float("nan"))
-    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, out=out, need_lse=True, config=FWD, **features)
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, out=out, return_lse=True, config=FWD, **features)
     oracle_heads = dict(dilation=dilation, is_causal=causal, stride=stride)
     assert_matches_oracle(out, q, k, v, kernel, 0.3, **oracle_heads)
     _, want_lse = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=0.3, return_lse=True,
@@ -165,7 +165,7 @@ def test_dilation_keeps_non_finite_values_inside_their_windows(shape, dtype):
     clean[where] = 0.0
 
     def run(values):
-        out, lse = launch.na3d_forward(q, k, values, kernel, 0.3, need_lse=True, config=FWD, dilation=dilation)
+        out, lse = launch.na3d_forward(q, k, values, kernel, 0.3, return_lse=True, config=FWD, dilation=dilation)
         return (out, *launch.na3d_backward(grad_out, q, k, values, out, lse, kernel, 0.3, config=BWD,
                                            dilation=dilation))
 

@@ -45,7 +45,7 @@ def test_grouped_heads_forward_and_backward(case, dtype):
     q, k, v = grouped(shape, kv_heads, layout, dtype, seed=sum(shape))
     grad_out = make_qkv(shape, dtype, device=DEVICE, seed=7)[0]
     out = torch.full_like(q, float("nan"))
-    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, out=out, need_lse=True, config=FWD)
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, out=out, return_lse=True, config=FWD)
     assert_matches_oracle(out, q, k, v, kernel, 0.3)
     for fused in (False, True):
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
@@ -68,7 +68,7 @@ def test_grouped_heads_keep_non_finite_keys_inside_their_windows():
     clean[0, 1, 2, 3, 1, 4] = 0.0
 
     def run(keys):
-        out, lse = launch.na3d_forward(q, keys, v, kernel, 0.3, need_lse=True, config=FWD)
+        out, lse = launch.na3d_forward(q, keys, v, kernel, 0.3, return_lse=True, config=FWD)
         return (out, *launch.na3d_backward(grad_out, q, keys, v, out, lse, kernel, 0.3, config=BWD))
 
     got, want = run(bad), run(clean)
