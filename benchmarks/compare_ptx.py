@@ -46,8 +46,28 @@ from na3d.kernels.backward import na3d_bwd_dq_kernel, na3d_bwd_dkdv_kernel
 # Flags a revision's kernels do not have are left out (older code had none).
 flags = {f: False for f in ("CAUSAL_T", "CAUSAL_H", "CAUSAL_W", "STRIDED") if f in na3d_fwd_kernel.arg_names}
 plain_mask = {f: 0 for f in ("MASK_T", "MASK_H", "MASK_W") if f in na3d_fwd_kernel.arg_names}
+# Flags renamed since: their names before (CHECK was ASSUME_FINITE's inverse).
+RENAMED = {"ASSUME_FINITE": "CHECK", "RETURN_LSE": "STORE_LSE"}
+
+
+def has(kernel, flag):
+    return flag in kernel.arg_names or RENAMED.get(flag) in kernel.arg_names
+
+
+def as_built(kernel, constexprs):
+    """``constexprs`` under the names of ``kernel``'s revision. Before ASSUME_FINITE, the
+    launcher passed CHECK (its inverse) to the first launch and CHECK off to the second
+    (whose code never reads it, nor ASSUME_FINITE)."""
+    constexprs = dict(constexprs)
+    if "ASSUME_FINITE" in constexprs and "ASSUME_FINITE" not in kernel.arg_names:
+        constexprs["CHECK"] = not constexprs.pop("ASSUME_FINITE") and not constexprs.get("REDO", False)
+    if "RETURN_LSE" in constexprs and "RETURN_LSE" not in kernel.arg_names:
+        constexprs["STORE_LSE"] = constexprs.pop("RETURN_LSE")
+    return constexprs
+
+
 # The first launch with its check for inf/NaN (revisions that have the flags).
-flags.update({f: v for f, v in (("CHECK", True), ("REDO", False)) if f in na3d_fwd_kernel.arg_names})
+flags.update({f: v for f, v in (("ASSUME_FINITE", False), ("REDO", False)) if has(na3d_fwd_kernel, f)})
 # Multi-head attention (revisions with grouped-query attention in the kernels).
 flags.update({"GROUP": 1} if "GROUP" in na3d_fwd_kernel.arg_names else {})
 # No dilation (revisions with dilation in the kernels).
@@ -86,12 +106,12 @@ FEATURES = {  # name: flags, and the kernels they apply to
     "mask_none_w_fixed_t": (dict(MASK_T=2, MASK_H=1, MASK_W=3), "fwd dq"),
     "scale_negative": (dict(SCALE_SIGN=-1), "fwd"),
     "scale_zero": (dict(SCALE_SIGN=0), "fwd"),
-    "lse": (dict(STORE_LSE=True), "fwd"),
+    "lse": (dict(RETURN_LSE=True), "fwd"),
     "dlse": (dict(HAS_DLSE=True), "dq"),
     "fused": (dict(ACCUMULATE_DQ=True), "dkdv"),
-    "unchecked": (dict(CHECK=False), "fwd dq dkdv"),
-    "safe_launch": (dict(CHECK=False, REDO=True), "fwd dq dkdv"),
-    "safe_launch_dil_gqa": (dict(CHECK=False, REDO=True, DIL_H=2, GROUP=2, CAUSAL_W=True), "fwd dq dkdv"),
+    "unchecked": (dict(ASSUME_FINITE=True), "fwd dq dkdv"),
+    "safe_launch": (dict(REDO=True), "fwd dq dkdv"),
+    "safe_launch_dil_gqa": (dict(REDO=True, DIL_H=2, GROUP=2, CAUSAL_W=True), "fwd dq dkdv"),
 }
 configs = list(t.configs_for("sm90"))
 if features_run:
@@ -114,29 +134,28 @@ for entry in configs:
     if "STATS_TMA" in na3d_bwd_dkdv_kernel.arg_names:  # a flag of revisions c07cec7..b2e21eb
         dual["STATS_TMA"] = False
     # kernel name: (kernel, compile-time arguments, pipeline stages)
-    kernels = dict(fwd=(na3d_fwd_kernel, dict(base, STORE_LSE=False, **tiles, **extra, **plain_mask), st),
+    kernels = dict(fwd=(na3d_fwd_kernel, dict(base, RETURN_LSE=False, **tiles, **extra, **plain_mask), st),
                    dq=(na3d_bwd_dq_kernel, dict(base, HAS_DLSE=False, **tiles, **tma, **dq_plain_mask), max(1, st - 1)),
                    dkdv=(na3d_bwd_dkdv_kernel, dict(base, **dual), max(1, st - 1)))
     for kname, (kernel, constexprs, stages) in kernels.items():
-        res[f"{bucket}/{kname}"] = code(t.compile_for(kernel, tgt, constexprs, w, stages))
+        res[f"{bucket}/{kname}"] = code(t.compile_for(kernel, tgt, as_built(kernel, constexprs), w, stages))
     if tma_run and "BULK_DQ" in dual:  # the one-pass backward, dQ by bulk reductions
-        res[bucket + "/fused"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt,
-                                                    dict(base, **dict(dual, ACCUMULATE_DQ=True, BULK_DQ=True)),
-                                                    w, max(1, st - 1)))
+        fused = as_built(na3d_bwd_dkdv_kernel, dict(base, **dict(dual, ACCUMULATE_DQ=True, BULK_DQ=True)))
+        res[bucket + "/fused"] = code(t.compile_for(na3d_bwd_dkdv_kernel, tgt, fused, w, max(1, st - 1)))
     if not features_run:
         continue
     for descriptors in (False, True):
         for name, (flags_on, which) in FEATURES.items():
             for kname in which.split():
                 kernel, constexprs, stages = kernels[kname]
-                if any(f not in kernel.arg_names for f in flags_on):
+                if not all(has(kernel, f) for f in flags_on):
                     continue
                 constexprs = dict(constexprs, **flags_on)
                 for f in ("USE_TMA", "BULK_DQ"):
                     if f in constexprs:
                         constexprs[f] = descriptors and (f == "USE_TMA" or constexprs.get("ACCUMULATE_DQ", False))
                 key = f"{name}{'/tma' if descriptors else ''}/{kname}"
-                res[key] = code(t.compile_for(kernel, tgt, constexprs, w, stages))
+                res[key] = code(t.compile_for(kernel, tgt, as_built(kernel, constexprs), w, stages))
 print(json.dumps(res))
 '''
 

@@ -20,7 +20,7 @@ g = torch.Generator(device=dev).manual_seed(0)
 q, k, v, do = (torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(4))
 leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 out = na3d.na3d(*leaves, ks, scale=scale)
-o, lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True)
+o, lse = launch.na3d_forward(q, k, v, ks, scale, return_lse=True)
 
 def host_us(fn, n=300):
     fn(); torch.cuda.synchronize()

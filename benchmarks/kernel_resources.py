@@ -68,13 +68,13 @@ def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), 
     fwd = configs.forward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     bwd = configs.backward_config("sm90", grid, kernel_size, HD, torch.bfloat16)
     base = dict(HEAD_DIM=HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), CAUSAL_T=causal[0], CAUSAL_H=causal[1],
-                CAUSAL_W=causal[2], STRIDED=False, CHECK=True, REDO=False, GROUP=group,
+                CAUSAL_W=causal[2], STRIDED=False, ASSUME_FINITE=False, REDO=False, GROUP=group,
                 USE_TMA=fwd.tma and HD in (16, 32, 64, 128) and not pointers,
                 **launch.dilation_constexprs(dilation))
     stride = (1, 1, 1)
     passes = [
         ("fwd", na3d_fwd_kernel, fwd.q_tile, fwd.kv_tile, fwd.num_warps, fwd.num_stages, fwd.maxnreg,
-         dict(STORE_LSE=True, SCALE_SIGN=1, **launch.mask_modes(fwd.q_tile, fwd.kv_tile, kernel_size, causal, stride,
+         dict(RETURN_LSE=True, SCALE_SIGN=1, **launch.mask_modes(fwd.q_tile, fwd.kv_tile, kernel_size, causal, stride,
                                                                  fwd.fixed_mask, grid))),
         ("dq", na3d_bwd_dq_kernel, bwd.dq_q_tile, bwd.dq_kv_tile, bwd.num_warps, bwd.num_stages, bwd.dq_maxnreg,
          dict(HAS_DLSE=False, **launch.mask_modes(bwd.dq_q_tile, bwd.dq_kv_tile, kernel_size, causal, stride,

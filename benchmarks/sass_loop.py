@@ -87,7 +87,7 @@ def main() -> None:
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
     tma = not args.no_tma
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
-                      USE_TMA=tma, CHECK=True, REDO=False, GROUP=1,  # the first launch, with its check
+                      USE_TMA=tma, ASSUME_FINITE=False, REDO=False, GROUP=1,  # the first launch, with its check
                       **dict(zip(("DIL_T", "DIL_H", "DIL_W"), args.dilation)))
     if args.kernel == "dkdv":
         fn = na3d_bwd_dkdv_kernel
@@ -96,7 +96,7 @@ def main() -> None:
     else:
         fn = na3d_fwd_kernel if args.kernel == "forward" else na3d_bwd_dq_kernel
         constexprs.update(Q_T=qt, Q_H=qh, Q_W=qw, KV_T=kt, KV_H=kh, KV_W=kw)
-        constexprs.update(dict(STORE_LSE=False, SCALE_SIGN=1) if args.kernel == "forward" else dict(HAS_DLSE=False))
+        constexprs.update(dict(RETURN_LSE=False, SCALE_SIGN=1) if args.kernel == "forward" else dict(HAS_DLSE=False))
     # launch.mask_modes: 0 per step, 1 window bits, 2 fixed, 3 none
     constexprs.update({f"MASK_{axis.upper()}": 3 if axis in args.none else 2 if axis in args.fixed
                        else 1 if axis in args.bits else 0 for axis in "thw"})

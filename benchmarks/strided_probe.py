@@ -96,10 +96,10 @@ def main():
             full = launch.block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel, (False,) * 3, stride, (T, H, W),
                                             (1, 1, 1))
             try:
-                out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True, stride=stride, config=cfg)
+                out, lse = launch.na3d_forward(q, k, v, kernel, scale, return_lse=True, stride=stride, config=cfg)
                 diff = (out.float() - ref.float()).abs().max().item()
                 ms = bench(lambda: launch.na3d_forward(q, k, v, kernel, scale, stride=stride, config=cfg,
-                                                       check_nonfinite=False))
+                                                       assume_finite=True))
                 ms_checked = bench(lambda: launch.na3d_forward(q, k, v, kernel, scale, stride=stride, config=cfg))
             except Exception as error:  # noqa: BLE001 (a candidate that does not compile is reported)
                 emit(dict(name=name, pass_="fwd", config=[qn, kvn, warps, stages], error=str(error)[:200]))

@@ -14,7 +14,60 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def patch_language_once_per_launch():
+    """Triton 3.6's interpreter patches ``triton.language`` again at every call of a
+    ``@triton.jit`` helper inside a kernel (a scan of the language modules' members,
+    over a third of an interpreted kernel's CPU time), although the launch has
+    patched the same modules already and the patches of such a call are never
+    undone. Here a launch patches each language module once, the first time one of
+    its functions needs it; everything else is the interpreter's own. Only for the
+    Triton the tests pin (the ``test`` extra), whose interpreter this mirrors."""
+    import threading
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if triton.__version__ != "3.6.0":
+        return
+    patched = threading.local()  # ids of the language modules this launch has patched
+    patch_lang, run_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+
+    def patch_lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        done = getattr(patched, "langs", None)
+        if done is not None and langs <= done:
+            return interpreter._LangPatchScope()  # nothing to undo
+        scope = patch_lang(fn)
+        if done is not None:
+            done |= langs
+        return scope
+
+    def launch(self, *args, **kwargs):
+        outer, patched.langs = getattr(patched, "langs", None), set()
+        try:
+            return run_launch(self, *args, **kwargs)
+        finally:
+            patched.langs = outer
+
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_language_once_per_launch()
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for ``-n auto`` (pyproject's default): xdist's count, one per core, but
+    at most 4 on a machine with a GPU, whose memory the GPU tests' largest shapes
+    share (more workers run out of it)."""
+    if torch.cuda.is_available():
+        return min(4, os.cpu_count() or 1)
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

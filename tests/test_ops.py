@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(
 
 def test_opcheck():
     q, k, v = make_qkv((1, 3, 6, 5, 2, 16), torch.float32, device=DEVICE, seed=2)
-    for need_lse in (True, False):
-        torch.library.opcheck(ops.forward, (q.clone().requires_grad_(), k, v, [3, 3, 3], 0.25, need_lse,
+    for return_lse in (True, False):
+        torch.library.opcheck(ops.forward, (q.clone().requires_grad_(), k, v, [3, 3, 3], 0.25, return_lse,
                                              [False, True, False], [1, 2, 1], [1, 2, 1]))
     out, lse = ops.forward(q, k, v, [3, 3, 3], 0.25, True, [False, True, False], [1, 2, 1], [1, 2, 1])
     torch.library.opcheck(ops.backward, (torch.randn_like(out), q, k, v, out, lse, None, [3, 3, 3], 0.25,

@@ -21,10 +21,8 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from . import ops
 from .merge import merge_attentions
-# The path a validated call takes (kernels, their operator, or the reference) is
-# chosen in ops.
-from .ops import dispatch as _run
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -242,16 +240,16 @@ def na3d(
         raise TypeError(f"return_lse={return_lse!r} must be a bool")
     if not _is_bool(assume_finite):
         raise TypeError(f"assume_finite={assume_finite!r} must be a bool")
-    return_lse = bool(return_lse)
-    check = not assume_finite
+    return_lse, assume_finite = bool(return_lse), bool(assume_finite)
     _check_additional(query, key, additional_keys, additional_values)
     if query.shape[0] == 0 or 0 in query.shape[1:4]:
         # An empty batch or grid: an empty result (the extra tokens, if any, have
         # no query to attend to).
         return _empty_result(query, key, value, return_lse)
     if additional_keys is None:
-        return _run(query, key, value, ks, causal, st, dil, float(scale), return_lse, check)
-    out, lse = _run(query, key, value, ks, causal, st, dil, float(scale), True, check)
+        # The path a validated call takes (the kernels, their operator, or the reference).
+        return ops.dispatch(query, key, value, ks, causal, st, dil, float(scale), return_lse, assume_finite)
+    out, lse = ops.dispatch(query, key, value, ks, causal, st, dil, float(scale), True, assume_finite)
     extra_out, extra_lse = _attend_additional(query, additional_keys, additional_values, float(scale))
     out, lse = merge_attentions([out, extra_out], [lse, extra_lse])
     return (out, lse) if return_lse else out

@@ -119,22 +119,6 @@ class BackwardConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def device_arch(device_index: int) -> str:
-    """``sm90`` for a CUDA device of capability 9.0, ``gfx942`` for an MI300X, ..."""
-    props = torch.cuda.get_device_properties(device_index)
-    gcn = getattr(props, "gcnArchName", None)
-    if torch.version.hip is not None and gcn:
-        return gcn.split(":")[0]
-    return f"sm{props.major}{props.minor}"
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors (compute units) of a CUDA/ROCm device."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def load_table(arch: str) -> dict:
     """The JSON table for ``arch``, or the default table when there is none."""
     folder = resources.files("na3d") / "configs"

@@ -13,8 +13,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import configs, geometry
-
-LOG2_E = 1.4426950408889634
+from .constants import FLAG_BLOCK, LOG2_E, MASK_BITS, MASK_FIXED, MASK_NONE, MASK_PER_STEP
+from .device import device_arch, sm_count
 
 
 def kernels_interpreted() -> bool:
@@ -28,19 +28,13 @@ def kernels_interpreted() -> bool:
     return isinstance(na3d_fwd_kernel, InterpretedFunction)
 
 
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "default"
-    return configs.device_arch(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _table_config(lookup, q: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int],
                   stride: Sequence[int], is_causal: Sequence[bool]):
     """``lookup`` (``configs.forward_config`` or ``backward_config``) for ``q``'s device,
     head dim and dtype, and the grid the kernels tile: with dilation, the largest
     group's sub-grid (:func:`group_grid`); with a stride, boxes may follow it."""
     HD = q.shape[-1]
-    return lookup(_arch(q.device), group_grid(q.shape[1:4], dilation), tuple(kernel_size), HD, q.dtype,
+    return lookup(device_arch(q.device), group_grid(q.shape[1:4], dilation), tuple(kernel_size), HD, q.dtype,
                   tuple(int(s) for s in stride), tuple(bool(c) for c in is_causal))
 
 
@@ -90,12 +84,12 @@ def na3d_forward(
     v: torch.Tensor,
     kernel_size: Sequence[int],
     scale: float,
-    need_lse: bool = False,
+    return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     config: Optional[configs.ForwardConfig] = None,
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
-    check_nonfinite: bool = True,
+    assume_finite: bool = False,
     dilation: Sequence[int] = (1, 1, 1),
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the forward kernel on validated ``(B, T, H, W, NH, HD)`` inputs.
@@ -103,14 +97,15 @@ def na3d_forward(
     ``is_causal`` (per axis T, H, W) selects causal windows along that axis;
     ``stride`` NATTEN's window-sharing stride per axis; ``dilation`` NATTEN's
     dilation per axis (every dilation group in the one launch; key and value boxes
-    go through descriptors only where :func:`foldable` allows). ``check_nonfinite``: the
-    kernel checks its tiles and a second kernel recomputes those with an inf or
-    NaN so that it stays inside its windows (kernels/common.py); False skips both
-    (inputs known to be finite).
+    go through descriptors only where :func:`foldable` allows). Unless
+    ``assume_finite`` (inputs known to be finite), the kernel checks its tiles and
+    a second launch recomputes those holding an inf or NaN so that it stays inside
+    its windows (:func:`launch_and_redo`).
 
     ``out`` (optional, any strides with innermost stride 1) receives the result; the
     tests pass a NaN-filled one so that an element the kernel never writes shows.
-    Returns ``(out, lse)``, ``lse`` float32 ``(B, T, H, W, NH)`` or None.
+    Returns ``(out, lse)``, ``lse`` float32 ``(B, T, H, W, NH)`` with ``return_lse``,
+    else None.
     """
     from .kernels.forward import na3d_fwd_kernel
 
@@ -120,7 +115,7 @@ def na3d_forward(
     cfg = config or forward_config(q, kernel_size, dilation, stride, is_causal)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if need_lse else None
+    lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if return_lse else None
     tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.q_tile, dilation)
     flags = nonfinite_flags(n_tiles * NH * B, q.device)
     use_tma = cfg.tma and tma_layout_ok(k, v, dilation=dilation)
@@ -136,7 +131,7 @@ def na3d_forward(
         KV_T=cfg.kv_tile[0], KV_H=cfg.kv_tile[1], KV_W=cfg.kv_tile[2],
         CAUSAL_T=bool(is_causal[0]), CAUSAL_H=bool(is_causal[1]), CAUSAL_W=bool(is_causal[2]),
         STRIDED=any(s != 1 for s in stride),
-        STORE_LSE=need_lse,
+        RETURN_LSE=return_lse,
         SCALE_SIGN=(scale > 0) - (scale < 0),
         USE_TMA=use_tma,
         GROUP=group,
@@ -144,19 +139,24 @@ def na3d_forward(
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask,
                      group_grid((T, H, W), dilation),
                      block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)))
-    na3d_fwd_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
-                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                      **configs.maxnreg_option(cfg.maxnreg))
-    if check_nonfinite:
-        # Tiles whose output holds an inf or NaN, again the safe way (kernels/common.py);
-        # same warps, so that its products are the first launch's, tile for tile.
-        na3d_fwd_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.num_warps,
-                                          num_stages=1)
+    launch_and_redo(na3d_fwd_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
+                    cfg.num_stages, cfg.maxnreg, assume_finite)
     return out, lse
 
 
-# The kernels' window-mask modes per axis (``kernels/common.py``, MASK_*).
-MASK_PER_STEP, MASK_BITS, MASK_FIXED, MASK_NONE = 0, 1, 2, 3
+def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, num_warps: int, num_stages: int,
+                    maxnreg: Optional[int], assume_finite: bool) -> None:
+    """Every kernel's two launches (``kernels/common.py``, ``run_programs``): on
+    ``grid`` the fast way, each program setting its entry of ``flags`` where its
+    results hold an inf or NaN; then, on :func:`safe_grid`, ``REDO``: the flagged
+    programs again, the safe way, on the same warps (so that its products are the
+    first launch's, tile for tile) and one pipeline stage. ``assume_finite``: the
+    first launch only, without the check."""
+    kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, num_warps=num_warps,
+                 num_stages=num_stages, **configs.maxnreg_option(maxnreg))
+    if not assume_finite:
+        kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, num_warps=num_warps,
+                                 num_stages=1)
 
 
 def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],
@@ -227,14 +227,8 @@ def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
 
 def safe_grid(flags: torch.Tensor) -> Tuple[int]:
     """Programs of a kernel's second launch (kernels/common.py): enough to read the
-    flags in a few loads each, at most one per SM."""
-    return (max(1, min(math.ceil(flags.numel() / 256), _sm_count(flags.device))),)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return configs.sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    flags in a few loads each (``FLAG_BLOCK`` a load), at most one per SM."""
+    return (max(1, min(math.ceil(flags.numel() / FLAG_BLOCK), sm_count(flags.device))),)
 
 
 def tma_layout_ok(*tensors: torch.Tensor, dilation: Sequence[int] = (1, 1, 1)) -> bool:
@@ -321,7 +315,7 @@ def na3d_backward(
     config: Optional[configs.BackwardConfig] = None,
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
-    check_nonfinite: bool = True,
+    assume_finite: bool = False,
     dilation: Sequence[int] = (1, 1, 1),
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the forward's ``out`` and natural-log ``lse`` (float32, contiguous).
@@ -335,7 +329,7 @@ def na3d_backward(
     and ``delta = rowsum(dO * O) - dlse``, then dK/dV); or fused, the statistics
     then one pass that adds dQ atomically into a float32 buffer. Under
     ``torch.use_deterministic_algorithms(True)`` the deterministic kernels run
-    whatever the config says. ``check_nonfinite``, ``dilation``: as in
+    whatever the config says. ``assume_finite``, ``dilation``: as in
     :func:`na3d_forward`.
     """
     from .kernels.backward import na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
@@ -361,7 +355,7 @@ def na3d_backward(
 
     if cfg.fused and not torch.are_deterministic_algorithms_enabled():
         _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, dilation, scale,
-                        cfg, common, check_nonfinite)
+                        cfg, common, assume_finite)
         return dq, dk, dv
     tiles_h, tiles_w, n_tiles = tile_grid((T, H, W), cfg.dq_q_tile, dilation)
     flags = nonfinite_flags(n_tiles * NH * B, q.device)
@@ -379,12 +373,8 @@ def na3d_backward(
                      group_grid((T, H, W), dilation),
                      block_sparse_axes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, (T, H, W),
                                        dilation)), **common)
-    na3d_bwd_dq_kernel[(n_tiles * group, NH // group, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False,
-                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                         **configs.maxnreg_option(cfg.dq_maxnreg))
-    if check_nonfinite:
-        na3d_bwd_dq_kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.num_warps,
-                                             num_stages=1)
+    launch_and_redo(na3d_bwd_dq_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
+                    cfg.num_stages, cfg.dq_maxnreg, assume_finite)
 
     use_tma = cfg.tma and tma_layout_ok(q, grad_out, dilation=dilation)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile, dilation) for x in (q, grad_out)] if use_tma else [q, grad_out]
@@ -392,13 +382,13 @@ def na3d_backward(
                 (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
                  statistics_descriptor(stats, cfg.dkdv_q_tile, dilation) if use_tma else stats),
                 (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
-                dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common), check_nonfinite)
+                dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common), assume_finite)
     return dq, dk, dv
 
 
 def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buffers, strided,
-                sizes, scale: float, constexprs: dict, check_nonfinite: bool) -> None:
-    """The dK/dV kernel on its grid, then its second launch (kernels/common.py).
+                sizes, scale: float, constexprs: dict, assume_finite: bool) -> None:
+    """The dK/dV kernel's two launches (:func:`launch_and_redo`).
     ``tiles``: :func:`tile_grid` of the key boxes. ``NH``: query heads; the grid runs
     over key/value heads, ``NH // GROUP`` (``constexprs``). ``buffers``: the tensors
     and descriptors before the flags; ``strided``: the tensors whose strides follow
@@ -419,10 +409,8 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
                       **{f"MASK_{axis}": MASK_NONE if full else MASK_PER_STEP for axis in "THW"})
-    kernel[(n_tiles, kv_heads, B)](*args, **constexprs, CHECK=check_nonfinite, REDO=False, num_warps=cfg.dkdv_warps,
-                             num_stages=cfg.dkdv_stages, **configs.maxnreg_option(cfg.dkdv_maxnreg))
-    if check_nonfinite:
-        kernel[safe_grid(flags)](*args, **constexprs, CHECK=False, REDO=True, num_warps=cfg.dkdv_warps, num_stages=1)
+    launch_and_redo(kernel, (n_tiles, kv_heads, B), args, constexprs, flags, cfg.dkdv_warps, cfg.dkdv_stages,
+                    cfg.dkdv_maxnreg, assume_finite)
 
 
 def statistics_buffer(q: torch.Tensor) -> torch.Tensor:
@@ -442,7 +430,7 @@ def statistics_descriptor(stats: torch.Tensor, q_box: Sequence[int], dilation: S
 
 
 def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_size, stride, dilation, scale, cfg,
-                    common, check_nonfinite):
+                    common, assume_finite):
     """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
     from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
@@ -467,7 +455,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
                 (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
                 (T, H, W, KT, KH, KW, *stride), scale,
-                dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), check_nonfinite)
+                dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), assume_finite)
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
 

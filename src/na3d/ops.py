@@ -32,19 +32,19 @@ from . import launch, reference
 
 @torch.library.custom_op("na3d::forward", mutates_args=(), device_types=("cuda", "cpu"))
 def forward(q: Tensor, k: Tensor, v: Tensor, kernel_size: List[int], scale: float,
-            need_lse: bool, is_causal: List[bool], stride: List[int], dilation: List[int],
-            check_nonfinite: bool = True) -> Tuple[Tensor, Tensor]:
-    """Returns ``(out, lse)``; ``lse`` is empty unless ``need_lse``."""
-    out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, need_lse=need_lse, is_causal=is_causal,
-                                   stride=stride, check_nonfinite=check_nonfinite, dilation=dilation)
+            return_lse: bool, is_causal: List[bool], stride: List[int], dilation: List[int],
+            assume_finite: bool = False) -> Tuple[Tensor, Tensor]:
+    """Returns ``(out, lse)``; ``lse`` is empty unless ``return_lse``."""
+    out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, return_lse=return_lse, is_causal=is_causal,
+                                   stride=stride, assume_finite=assume_finite, dilation=dilation)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
 
 
 @forward.register_fake
-def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride, dilation, check_nonfinite=True):
-    lse_shape = q.shape[:-1] if need_lse else (0,)
+def _forward_fake(q, k, v, kernel_size, scale, return_lse, is_causal, stride, dilation, assume_finite=False):
+    lse_shape = q.shape[:-1] if return_lse else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
@@ -52,46 +52,46 @@ def _forward_fake(q, k, v, kernel_size, scale, need_lse, is_causal, stride, dila
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              grad_lse: Optional[Tensor], kernel_size: List[int], scale: float,
              is_causal: List[bool], stride: List[int], dilation: List[int],
-             check_nonfinite: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+             assume_finite: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dq, dk, dv)`` given the gradients of ``out`` and (optionally) ``lse``."""
     dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
-                                      is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite,
+                                      is_causal=is_causal, stride=stride, assume_finite=assume_finite,
                                       dilation=dilation)
     return dq, dk, dv
 
 
 @backward.register_fake
 def _backward_fake(grad_out, q, k, v, out, lse, grad_lse, kernel_size, scale, is_causal, stride, dilation,
-                   check_nonfinite=True):
+                   assume_finite=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kernel_size, scale, need_lse, is_causal, stride, dilation, check_nonfinite = inputs
+    q, k, v, kernel_size, scale, return_lse, is_causal, stride, dilation, assume_finite = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.kernel_size = kernel_size
     ctx.scale = scale
-    ctx.have_lse = need_lse
+    ctx.return_lse = return_lse
     ctx.is_causal = is_causal
     ctx.stride = stride
     ctx.dilation = dilation
-    ctx.check_nonfinite = check_nonfinite
+    ctx.assume_finite = assume_finite
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     if grad_lse is not None and grad_lse.numel() == 0:  # the gradient of an empty lse output
         grad_lse = None
-    if not ctx.have_lse:
+    if not ctx.return_lse:
         # Called directly without the log-sum-exp (the public API asks for it whenever
         # a gradient can flow): recompute it rather than fail.
         out, lse = forward(q, k, v, ctx.kernel_size, ctx.scale, True, ctx.is_causal, ctx.stride, ctx.dilation,
-                           ctx.check_nonfinite)
+                           ctx.assume_finite)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse, ctx.kernel_size, ctx.scale, ctx.is_causal,
-                          ctx.stride, ctx.dilation, ctx.check_nonfinite)
+                          ctx.stride, ctx.dilation, ctx.assume_finite)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -118,18 +118,18 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel_size, scale, is_causal, stride, dilation, check_nonfinite):
-        out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, need_lse=True, is_causal=is_causal,
-                                       stride=stride, check_nonfinite=check_nonfinite, dilation=dilation)
+    def forward(ctx, q, k, v, kernel_size, scale, is_causal, stride, dilation, assume_finite):
+        out, lse = launch.na3d_forward(q, k, v, kernel_size, scale, return_lse=True, is_causal=is_causal,
+                                       stride=stride, assume_finite=assume_finite, dilation=dilation)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel_size, scale, is_causal, stride, dilation, check_nonfinite)
+        ctx.args = (kernel_size, scale, is_causal, stride, dilation, assume_finite)
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel_size, scale, is_causal, stride, dilation, check_nonfinite = ctx.args
+        kernel_size, scale, is_causal, stride, dilation, assume_finite = ctx.args
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled():
@@ -137,16 +137,16 @@ class EagerAttention(torch.autograd.Function):
             # differentiated again (there is no double backward) instead of silently
             # contributing no second-order terms.
             return (*backward(grad_out, q, k, v, out, lse, grad_lse, list(kernel_size), scale, list(is_causal),
-                              list(stride), list(dilation), check_nonfinite), None, None, None, None, None, None)
+                              list(stride), list(dilation), assume_finite), None, None, None, None, None, None)
         dq, dk, dv = launch.na3d_backward(grad_out, q, k, v, out, lse, kernel_size, scale, grad_lse=grad_lse,
-                                          is_causal=is_causal, stride=stride, check_nonfinite=check_nonfinite,
+                                          is_causal=is_causal, stride=stride, assume_finite=assume_finite,
                                           dilation=dilation)
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[int], causal: Sequence[bool],
+def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[int], is_causal: Sequence[bool],
              stride: Sequence[int], dilation: Sequence[int], scale: float, return_lse: bool,
-             check_nonfinite: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+             assume_finite: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention on validated ``(B, T, H, W, NH, HD)`` queries and ``(B, T, H, W, NKV,
     HD)`` keys and values (``NKV`` divides ``NH``: query head ``n`` reads key/value
     head ``n // (NH // NKV)``), by the path that suits the call: ``out``, or
@@ -157,9 +157,9 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
     the Triton kernels: an eager call without a gradient through the launcher, an
     eager call that needs one through :class:`EagerAttention`, a traced call through
     the ``na3d::forward`` operator. Other CPU tensors get the exact PyTorch reference,
-    differentiable through autograd. ``check_nonfinite=False`` (inputs known to be
+    differentiable through autograd. ``assume_finite=True`` (inputs known to be
     finite) skips the kernels' check for inf and NaN and the recomputation of the
-    tiles holding them (``kernels/common.py``).
+    tiles holding them (``launch.launch_and_redo``).
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if query.device.type == "cuda" or (query.device.type == "cpu" and launch.kernels_interpreted()):
@@ -167,25 +167,25 @@ def dispatch(query: Tensor, key: Tensor, value: Tensor, kernel_size: Sequence[in
             # Inference, eager: launch directly. The operator's dispatch (schema
             # checks, autograd and fake-tensor plumbing) costs tens of microseconds
             # per call, as much as a small problem's kernel.
-            out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, need_lse=return_lse,
-                                           is_causal=causal, stride=stride, check_nonfinite=check_nonfinite,
+            out, lse = launch.na3d_forward(query, key, value, kernel_size, scale, return_lse=return_lse,
+                                           is_causal=is_causal, stride=stride, assume_finite=assume_finite,
                                            dilation=dilation)
             return (out, lse) if return_lse else out
         if eager(query, key, value):
             # Training, eager: autograd without the operator's dispatch (see EagerAttention).
-            out, lse = EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(causal),
-                                            tuple(stride), tuple(dilation), check_nonfinite)
+            out, lse = EagerAttention.apply(query, key, value, tuple(kernel_size), scale, tuple(is_causal),
+                                            tuple(stride), tuple(dilation), assume_finite)
             return (out, lse) if return_lse else out
         # Traced (torch.compile): the operator. The log-sum-exp is saved for the
         # backward only when a gradient can flow.
         out, lse = forward(query, key, value, list(kernel_size), scale, return_lse or needs_grad,
-                           list(causal), list(stride), list(dilation), check_nonfinite)
+                           list(is_causal), list(stride), list(dilation), assume_finite)
         return (out, lse) if return_lse else out
     if key.shape[4] != query.shape[4]:  # the reference takes one key/value head per query head
         shape = (*key.shape[:4], key.shape[4], query.shape[4] // key.shape[4], key.shape[5])
         key, value = (x.unsqueeze(5).expand(shape).flatten(4, 5) for x in (key, value))
     # A non-finite input stays inside its windows only when each query's keys are its
     # window alone: one SDPA call per query then (slow, and only for such inputs).
-    isolate = check_nonfinite and not all(bool(torch.isfinite(t).all()) for t in (query, key, value))
+    isolate = not assume_finite and not all(bool(torch.isfinite(t).all()) for t in (query, key, value))
     return reference.na3d_sdpa_exact(query, key, value, kernel_size, scale=scale, return_lse=return_lse,
-                                     is_causal=causal, stride=stride, dilation=dilation, isolate=isolate)
+                                     is_causal=is_causal, stride=stride, dilation=dilation, isolate=isolate)

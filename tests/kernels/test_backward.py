@@ -32,7 +32,7 @@ AWKWARD = [
 
 
 def kernel_grads(q, k, v, grad_out, kernel, scale, config=None, poison=True):
-    out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True)
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, return_lse=True)
     bufs = tuple(torch.full_like(t, float("nan")) for t in (q, k, v)) if poison else None
     return launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=bufs, config=config)
 
@@ -148,7 +148,7 @@ def test_fused_backward_tilings_with_lse_gradient(config, causal):
     gen = torch.Generator().manual_seed(8)
     grad_out = torch.randn(shape, generator=gen).to(DEVICE)
     grad_lse = torch.randn(shape[:5], generator=gen).to(DEVICE)
-    out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, need_lse=True, is_causal=causal)
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, return_lse=True, is_causal=causal)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.25, grad_lse=grad_lse, grads=grads,
                          config=config, is_causal=causal)
@@ -261,7 +261,7 @@ def check_dq_case(q_tile, kv_tile, kernel, causal, stride, scale, shape, dtype, 
     grad_out = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     grad_lse = torch.randn(shape[:5], generator=gen).to(DEVICE)
     config = BackwardConfig(q_tile, kv_tile, (2, 2, 4), (1, 2, 8), 4, 2)
-    out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True, is_causal=causal, stride=stride)
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, return_lse=True, is_causal=causal, stride=stride)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grad_lse=grad_lse, grads=grads,
                          config=config, is_causal=causal, stride=stride)
@@ -291,7 +291,7 @@ def test_causal_kernel_tiles(causal):
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(32)).to(DEVICE)
     for fwd in (ForwardConfig((4, 2, 2), (1, 4, 4), 4, 1), ForwardConfig((1, 2, 8), (2, 1, 8), 4, 1)):
         out = poisoned_like(q)
-        out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, need_lse=True, out=out, config=fwd,
+        out, lse = launch.na3d_forward(q, k, v, kernel, 0.25, return_lse=True, out=out, config=fwd,
                                        is_causal=causal)
         assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.25, is_causal=causal)
     bwd = BackwardConfig((4, 4, 1), (1, 2, 8), (1, 2, 8), (4, 1, 4), 4, 1)

@@ -79,7 +79,7 @@ def run_case(case, dtype, scale, seed):
     cfg = ForwardConfig(q_box, kv_box, num_warps=4, num_stages=2)
     bwd = BackwardConfig(q_box, kv_box, k_box, scan_box, num_warps=4, num_stages=2)
     out = poisoned_like(q)
-    out, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=True, out=out, config=cfg, is_causal=causal,
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, return_lse=True, out=out, config=cfg, is_causal=causal,
                                    stride=stride, dilation=dilation)
     grads = tuple(poisoned_like(t) for t in (q, k, v))
     launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=bwd, is_causal=causal,
@@ -135,7 +135,7 @@ def test_fused_backward_keeps_its_mask():
     q, k, v, grad_out = inputs
     shape, _, kernel, stride = CASES[0][:4]
     cfg = dataclasses.replace(BackwardConfig((2, 4, 4), (2, 4, 4), (2, 4, 4), (2, 4, 4), 4, 2), fused=True)
-    _, lse = launch.na3d_forward(q, k, v, kernel, 0.3, need_lse=True, stride=stride)
+    _, lse = launch.na3d_forward(q, k, v, kernel, 0.3, return_lse=True, stride=stride)
     grads = tuple(poisoned_like(t) for t in (q, k, v))
     launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads, config=cfg, stride=stride)
     assert_grads_match_oracle(grads, q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel, 0.3, stride=stride)

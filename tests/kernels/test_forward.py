@@ -33,9 +33,9 @@ AWKWARD = [
 ]
 
 
-def run_poisoned(q, k, v, kernel, scale, config=None, need_lse=False):
+def run_poisoned(q, k, v, kernel, scale, config=None, return_lse=False):
     out = poisoned_like(q)
-    res, lse = launch.na3d_forward(q, k, v, kernel, scale, need_lse=need_lse, out=out, config=config)
+    res, lse = launch.na3d_forward(q, k, v, kernel, scale, return_lse=return_lse, out=out, config=config)
     assert res is out
     return out, lse
 
@@ -111,7 +111,7 @@ def test_forward_tilings_cut_by_borders(q_tile, kv_tile):
 def test_forward_lse(dtype):
     shape, kernel = (2, 3, 5, 6, 2, 16), (3, 3, 5)
     q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=4)
-    out, lse = run_poisoned(q, k, v, kernel, 0.25, need_lse=True)
+    out, lse = run_poisoned(q, k, v, kernel, 0.25, return_lse=True)
     _, want = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=0.25, return_lse=True)
     assert lse.shape == shape[:5] and lse.dtype == torch.float32
     torch.testing.assert_close(lse.cpu().double(), want, rtol=0, atol=2e-3 if dtype == torch.float16 else 1e-5)
@@ -123,7 +123,7 @@ def test_forward_scale_of_any_sign(scale):
     # the scale's sign (zero: every visible score is 0, a uniform average).
     shape, kernel = (1, 3, 5, 6, 2, 16), (3, 3, 5)
     q, k, v = make_qkv(shape, torch.float32, device=DEVICE, seed=9)
-    out, lse = run_poisoned(q, k, v, kernel, scale, need_lse=True)
+    out, lse = run_poisoned(q, k, v, kernel, scale, return_lse=True)
     assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, scale)
     _, want = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=scale, return_lse=True)
     torch.testing.assert_close(lse.cpu().double(), want, rtol=0, atol=1e-5)

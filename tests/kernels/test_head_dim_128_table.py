@@ -60,7 +60,7 @@ def test_head_dim_128_configs_match_oracle(bucket, name, option, dtype):
                                 option["num_stages"], name, option.get("tma", True), option.get("maxnreg"),
                                 bool(option.get("fixed_mask", True)))
     out = torch.full_like(q, float("nan"))
-    out, lse = launch.na3d_forward(q, k, v, kernel, scale, out=out, need_lse=True, config=fwd)
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, out=out, return_lse=True, config=fwd)
     assert_matches_oracle(out, q, k, v, kernel, scale)
     bwd = configs.fit_backward(option["backward"], grid, kernel, name)
     # The table's tiles as stated: the grid is large enough that fitting keeps them.

@@ -65,7 +65,7 @@ def kernel_results(x, kernel, scale, causal, stride, fwd_cfg, bwd_cfg, grad_out)
     """(out, lse, dq, dk, dv) of the kernels, outputs poisoned before each launch."""
     out = torch.full_like(x["q"], float("nan"))
     lse = torch.full(x["q"].shape[:-1], float("nan"), device=x["q"].device)
-    out, lse = launch.na3d_forward(x["q"], x["k"], x["v"], kernel, scale, need_lse=True, out=out,
+    out, lse = launch.na3d_forward(x["q"], x["k"], x["v"], kernel, scale, return_lse=True, out=out,
                                    config=fwd_cfg, is_causal=causal, stride=stride)
     grads = tuple(torch.full_like(t, float("nan")) for t in (x["q"], x["k"], x["v"]))
     launch.na3d_backward(grad_out, x["q"], x["k"], x["v"], out, lse, kernel, scale, grads=grads, config=bwd_cfg,
@@ -238,7 +238,7 @@ def test_benchmark_shapes_on_gpu(name, which):
     scale = shape[5] ** -0.5
 
     def run(y):
-        out, lse = launch.na3d_forward(y["q"], y["k"], y["v"], kernel, scale, need_lse=True)
+        out, lse = launch.na3d_forward(y["q"], y["k"], y["v"], kernel, scale, return_lse=True)
         return (out, lse, *launch.na3d_backward(grad_out, y["q"], y["k"], y["v"], out, lse, kernel, scale))
 
     got, zeroed = run(bad), run(zero)

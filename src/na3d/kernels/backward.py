@@ -26,6 +26,8 @@ Two ways to run them:
 import triton
 import triton.language as tl
 
+from .. import constants
+
 # Every tl.dot says input_precision="ieee": float32 inputs then get true float32
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
@@ -36,7 +38,7 @@ from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfi
                      nonfinite_rows, position_offsets, position_rows, program_box, queries_seeing, query_program,
                      run_programs, sees, step_mask_bias, store_query_tile)
 
-LOG2_E = tl.constexpr(1.4426950408889634)
+LOG2_E = tl.constexpr(constants.LOG2_E)
 
 
 @triton.jit
@@ -80,7 +82,7 @@ def na3d_bwd_dq_kernel(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    CHECK: tl.constexpr, REDO: tl.constexpr,
+    ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
     (``GROUP``: query heads per key/value head). One program: dQ of a Q_T x Q_H x Q_W
@@ -98,7 +100,7 @@ def na3d_bwd_dq_kernel(
                            T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                            (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                            (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO)
 
 
 
@@ -107,7 +109,8 @@ def dq_tile(
     tile, head, batch, heads, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, strides, T, H, W, window, tiling,
     qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
     WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
+    ASSUME_FINITE: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
     head (its keys and values: head ``head // GROUP``), the kernel's arguments
@@ -138,7 +141,7 @@ def dq_tile(
                  *union, qk_scale, d, d_ok, descriptor_origin(place, *DILATION),
                  (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, *KV_BOX,
                  *WINDOW_FLAGS, USE_TMA, *MASKS, SAFE)
-    return store_query_tile(DQ, dq_strides, batch, head, qt, qh, qw, q_valid, dq, d, d_ok, SAFE, CHECK, scale)
+    return store_query_tile(DQ, dq_strides, batch, head, qt, qh, qw, q_valid, dq, d, d_ok, SAFE, ASSUME_FINITE, scale)
 
 
 @triton.jit
@@ -215,7 +218,7 @@ def na3d_bwd_dkdv_kernel(
     ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    CHECK: tl.constexpr, REDO: tl.constexpr,
+    ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
     K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
@@ -256,7 +259,7 @@ def na3d_bwd_dkdv_kernel(
                              (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                              (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ,
                              BULK_DQ),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, True, CHECK, REDO)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, True, ASSUME_FINITE, REDO)
 
 
 
@@ -266,12 +269,12 @@ def dkdv_tile(
     T, H, W, window, tiling, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_BOX: tl.constexpr,
     Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr,
     GROUP: tl.constexpr, USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr,
-    SAFE: tl.constexpr, CHECK: tl.constexpr,
+    SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
     grouped (``kernels.common``'s docstring; ``K_BOX``: the box of keys, ``Q_BOX``:
-    the scan's boxes of queries). Returns (with ``CHECK``) which of its rows
+    the scan's boxes of queries). Returns (unless ``ASSUME_FINITE``) which of its rows
     of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
     Dilated: as the forward's tile, over a box of keys."""
     tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, DO, DK, DV), strides, *DILATION)
@@ -337,7 +340,7 @@ def dkdv_tile(
     # allocation within 4 instructions of the unchecked kernel's (a whole-tile sum
     # cost 18 and a spill: NOTES v21). A value that overflows the storage type is
     # flagged too, and merely recomputed.
-    if CHECK:
+    if not ASSUME_FINITE:
         return nonfinite_rows(dk) | nonfinite_rows(dv)
     return tl.zeros([BLOCK_N], tl.int1)
 

@@ -22,6 +22,8 @@ of constants unpacked by an assignment is no longer constant.
 import triton
 import triton.language as tl
 
+from .. import constants
+
 
 @triton.jit
 def window_start(index, length, kernel_size):
@@ -299,11 +301,12 @@ def next_box(i_t, i_h, i_w, steps_h, steps_w):
 
 # How a kernel masks the window along one axis (``MASK_T/H/W``; the launcher picks,
 # see ``launch.mask_modes``):
-MASK_PER_STEP = tl.constexpr(0)  # compare positions on every step (the plain mask)
-MASK_BITS = tl.constexpr(1)      # on every step, from per-query window bits shifted to the step
-MASK_FIXED = tl.constexpr(2)     # once per program: the scan never moves along this axis
-MASK_NONE = tl.constexpr(3)      # never: every query of every box sees every key of every box it scans
-                                 # (the launcher proves it for the call's grid: geometry.block_sparse_axis).
+MASK_PER_STEP = tl.constexpr(constants.MASK_PER_STEP)  # compare positions on every step (the plain mask)
+MASK_BITS = tl.constexpr(constants.MASK_BITS)          # on every step, from per-query window bits shifted to the step
+MASK_FIXED = tl.constexpr(constants.MASK_FIXED)        # once per program: the scan never moves along this axis
+MASK_NONE = tl.constexpr(constants.MASK_NONE)          # never: every query of every box sees every key of every
+                                                       # box it scans (the launcher proves it for the call's grid:
+                                                       # geometry.block_sparse_axis)
 # With MASK_NONE on all three axes the scan's loop runs without masks, as dense attention's does.
 
 
@@ -544,7 +547,7 @@ def load_rows(base, strides, t, h, w, cols, cols_ok):
 # whether Hopper's products may overlap, for a whole kernel at once).
 
 # Flags a safe kernel's program reads at once.
-FLAG_BLOCK = tl.constexpr(256)
+FLAG_BLOCK = tl.constexpr(constants.FLAG_BLOCK)
 # Channels per pass of the counting scan (its count accumulators stay small).
 CHANNELS = tl.constexpr(16)
 
@@ -560,10 +563,11 @@ def has_nonfinite(x):
 
 @triton.jit
 def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
-                 GROUP: tl.constexpr, PER_KEY_HEAD: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr):
+                 GROUP: tl.constexpr, PER_KEY_HEAD: tl.constexpr, ASSUME_FINITE: tl.constexpr,
+                 REDO: tl.constexpr):
     """A kernel's body, shared by the three: which tile, head and batch element each
-    program computes, ``tile_fn(tile, head, batch, heads, *args, SAFE, CHECK)``, and
-    its non-finite flag.
+    program computes, ``tile_fn(tile, head, batch, heads, *args, SAFE, ASSUME_FINITE)``,
+    and its non-finite flag.
 
     ``heads`` counts query heads, ``GROUP`` of them per key/value head. Programs run
     per query head (forward, dQ: the grid's first axis holds a box's GROUP query
@@ -572,15 +576,16 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
     is over key/value heads). The flag of program ``(tile, head, batch)`` is
     ``FLAGS[tile + n_tiles * (head + grid heads * batch)]``.
 
-    First launch (``REDO`` off): the program's tile the fast way; with ``CHECK`` its
-    flag: per query head, 1 where the returned scalar says the tile holds an inf
+    First launch (``REDO`` off): the program's tile the fast way; unless
+    ``ASSUME_FINITE``, its flag: per query head, 1 where the returned scalar says the tile holds an inf
     or NaN, else 0; per key/value head, 0 first and then 1 from the threads of the
     rows ``tile_fn`` returns as non-finite, after a barrier (a row's test needs no
     shared memory, which keeps the dK/dV loop's registers as they were).
 
     Second launch (``REDO``, a grid (G,), any G): the flagged programs, the safe way,
     each by one of the G programs in turn; where no flag is set (finite inputs), each
-    program reads its share of the flags, ``FLAG_BLOCK`` at a time, and ends."""
+    program reads its share of the flags, ``FLAG_BLOCK`` at a time, and ends. (The
+    safe way sets no flag: its tile function is called with ``ASSUME_FINITE`` on.)"""
     if PER_KEY_HEAD:
         grid_heads = heads // GROUP
     else:
@@ -592,42 +597,42 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
                 for program in range(start, tl.minimum(start + FLAG_BLOCK, n_programs)):
                     if tl.load(FLAGS + program) != 0:
                         tile_fn(program % n_tiles, (program // n_tiles) % grid_heads,
-                                program // (n_tiles * grid_heads), heads, *args, True, False)
+                                program // (n_tiles * grid_heads), heads, *args, True, True)
     elif PER_KEY_HEAD:
         head = tl.program_id(1)
         batch = tl.program_id(2)
         tile = tl.program_id(0)
         flag = FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64))
-        if CHECK:
+        if not ASSUME_FINITE:
             tl.store(flag, tl.zeros([], tl.int8))
-        rows = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, CHECK)
-        if CHECK:
+        rows = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
+        if not ASSUME_FINITE:
             tl.debug_barrier()  # no 0 lands after a 1
             tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
     else:
         head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
         batch = tl.program_id(2)
         tile = tl.program_id(0) // GROUP
-        nonfinite = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, CHECK)
-        if CHECK:
+        nonfinite = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
+        if not ASSUME_FINITE:
             tl.store(FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit
 def store_query_tile(OUT, out_strides, batch, head, qt, qh, qw, valid, x, d, d_ok, SAFE: tl.constexpr,
-                     CHECK: tl.constexpr, scale=None):
+                     ASSUME_FINITE: tl.constexpr, scale=None):
     """A program's result over its box of queries (the forward's output, dQ):
     ``x`` (times ``scale``, if given) stored into ``OUT`` at (batch, head) and the
     positions ``(qt, qh, qw)`` that are ``valid``, in OUT's dtype. With ``SAFE``
     the NaN marks that :func:`mark_reached` stored there first are laid over it.
-    Returns (with ``CHECK``) whether ``x`` holds an inf or NaN."""
+    Returns (unless ``ASSUME_FINITE``) whether ``x`` holds an inf or NaN."""
     base = head_base(OUT, out_strides, batch, head)
     if SAFE:
         marks = tl.load(base + position_offsets(out_strides, qt, qh, qw)[:, None] + d[None, :],
                         mask=valid[:, None] & d_ok[None, :], other=0.0)
         x = tl.where(marks != marks, float("nan"), x)
     ptrs = base + position_offsets(out_strides, qt, qh, qw)[:, None] + d[None, :]
-    if CHECK:
+    if not ASSUME_FINITE:
         nonfinite = has_nonfinite(x)
     else:
         nonfinite = tl.zeros([], tl.int1)

@@ -19,9 +19,10 @@ def na3d_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr, KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-    STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
+    RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
-    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, CHECK: tl.constexpr, REDO: tl.constexpr,
+    DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, ASSUME_FINITE: tl.constexpr,
+    REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -73,9 +74,9 @@ def na3d_fwd_kernel(
     run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, (q_strides, k_strides, v_strides, o_strides),
                                 T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, HEAD_DIM, BLOCK_D,
                                 (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                                (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, STORE_LSE, SCALE_SIGN,
+                                (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, RETURN_LSE, SCALE_SIGN,
                                 USE_TMA),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, False, CHECK, REDO)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO)
 
 
 
@@ -84,12 +85,13 @@ def forward_tile(
     tile, head, batch, heads, Q, K, V, O, LSE, K_DESC, V_DESC, strides, T, H, W, window, tiling, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
     WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    STORE_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr, CHECK: tl.constexpr,
+    RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
+    ASSUME_FINITE: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
     The kernel's arguments come grouped (``kernels.common``'s docstring).
-    Returns (with ``CHECK``) whether the output holds an inf or NaN. ``SAFE``: the
+    Returns (unless ``ASSUME_FINITE``) whether the output holds an inf or NaN. ``SAFE``: the
     safe way (``kernels.common``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it. Dilated: the box lies in one dilation group, whose
@@ -111,8 +113,8 @@ def forward_tile(
         (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, SCALE_SIGN, USE_TMA, *MASKS,
         SAFE)
     nonfinite = store_query_tile(O, o_strides, batch, head, qt, qh, qw, q_valid, acc / l_i[:, None], d, d_ok, SAFE,
-                                 CHECK)
-    if STORE_LSE:
+                                 ASSUME_FINITE)
+    if RETURN_LSE:
         lse_rows = position_rows(batch, head, heads, qt, qh, qw, place, *DILATION)
         # m_i is in log2 units of the scaled scores; convert to natural log.
         tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)

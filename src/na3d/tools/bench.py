@@ -464,7 +464,7 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     # says so), timed beside it through the launcher: its error against the same
     # reference first.
     fused_cfg = dataclasses.replace(cfg, fused=True)
-    fwd_out, fwd_lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True, stride=stride)
+    fwd_out, fwd_lse = launch.na3d_forward(q, k, v, ks, scale, return_lse=True, stride=stride)
 
     def fused_backward():
         return launch.na3d_backward(do, q, k, v, fwd_out, fwd_lse, ks, scale, config=fused_cfg, stride=stride)

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import configs, geometry, launch
+from ..device import device_arch
 from ..reference import na3d_sdpa_exact
 from .common import Timer, bench_shapes, log
 
@@ -167,10 +168,10 @@ def measure_backward(spec: dict, candidates: List[configs.BackwardConfig], curre
     scale = q.shape[-1] ** -0.5
     # Oracle: the float32 kernels (IEEE products), fed the same bf16 values.
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, grad_out))
-    out32, lse32 = launch.na3d_forward(q32, k32, v32, ks, scale, need_lse=True)
+    out32, lse32 = launch.na3d_forward(q32, k32, v32, ks, scale, return_lse=True)
     oracle = launch.na3d_backward(do32, q32, k32, v32, out32, lse32, ks, scale)
     del q32, k32, v32, do32, out32, lse32
-    out, lse = launch.na3d_forward(q, k, v, ks, scale, need_lse=True)
+    out, lse = launch.na3d_forward(q, k, v, ks, scale, return_lse=True)
 
     def errors(cfg):
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
@@ -407,8 +408,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         log("python -m na3d.tools.tune measures on a GPU; none found.")
         return 1
-    device = torch.device("cuda")
-    arch = configs.device_arch(torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = device_arch(device)
     # Default: the LTX shapes; --shapes may name any, the video-DiT ones included.
     specs = bench_shapes("all") if args.shapes else bench_shapes()
     specs = [s for s in specs if not args.shapes or s["name"] in args.shapes]
