@@ -206,10 +206,15 @@ def compile_all(arch, first_only=False):
                                     dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
-            fused = fits(compile_for(na3d_bwd_dkdv_kernel, target,
-                                     dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma,
-                                          ASSUME_FINITE=False, REDO=False, **dual, **dil, **PLAIN_MASKS),
-                                     dkdv_warps, dkdv_stages, dkdv_cap), "fused dK/dV")
+            # The one-pass backward runs only where a table selects it (``fused``): it must
+            # fit there; elsewhere it must compile (an explicit config may select it, and a
+            # launch that does not fit fails with Triton's out-of-resources error).
+            fused = compile_for(na3d_bwd_dkdv_kernel, target,
+                                dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma,
+                                     ASSUME_FINITE=False, REDO=False, **dual, **dil, **PLAIN_MASKS),
+                                dkdv_warps, dkdv_stages, dkdv_cap)
+            if bwd is not None and bwd.get("fused"):
+                fits(fused, "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma == (arch == "sm90"):
                 fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma,
