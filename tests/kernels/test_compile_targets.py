@@ -236,7 +236,7 @@ def compile_all(arch, first_only=False):
 
 def compile_in_fresh_interpreter(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
