@@ -2,7 +2,7 @@
 
 Checks that the package and its data files were installed (the config tables and the
 benchmark shapes are package data), that the op runs and is right on the CPU, and that
-the commands the README names start.
+the commands the README and docs/distributed.md name start.
 """
 
 import os
@@ -38,7 +38,7 @@ out.sum().backward()
 assert q.grad is not None and torch.isfinite(q.grad).all()
 print(f"na3d on the CPU: max abs error vs float64 oracle {err:.1e}; backward ok")
 
-# The README's commands.
+# The commands the README and docs/distributed.md name.
 for module in ("na3d.bench", "na3d.distributed"):
     done = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=""))

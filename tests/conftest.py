@@ -21,16 +21,12 @@ def patch_language_once_per_launch():
     over a third of an interpreted kernel's CPU time), although the launch has
     patched the same modules already and the patches of such a call are never
     undone. Here a launch patches each language module once, the first time one of
-    its functions needs it; everything else is the interpreter's own. Only for the
-    Triton the tests pin (the ``test`` extra), whose interpreter this mirrors."""
+    its functions needs it; everything else is the interpreter's own."""
     import threading
 
-    import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
-    if triton.__version__ != "3.6.0":
-        return
     patched = threading.local()  # ids of the language modules this launch has patched
     patch_lang, run_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
 
@@ -55,8 +51,28 @@ def patch_language_once_per_launch():
     interpreter.GridExecutor.__call__ = launch
 
 
+def no_overflow_checks():
+    """The interpreter checks every 32-bit integer add, subtract and multiply for
+    overflow (a cast to 64 bits, two compares and an assert each: about a third of
+    an interpreted kernel's CPU time once the patching above is gone). Compiled
+    kernels check nothing of the kind, and no interpreted test comes near 2**31
+    (``test_more_than_2_31_elements`` runs the int64 offsets on a GPU): here the
+    interpreter computes as the compiled kernels do."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
+# Only for the Triton the tests pin (the ``test`` extra), whose interpreter these mirror.
 if os.environ.get("TRITON_INTERPRET") == "1":
-    patch_language_once_per_launch()
+    import triton
+
+    if triton.__version__ == "3.6.0":
+        patch_language_once_per_launch()
+        no_overflow_checks()
 
 sys.path.insert(0, os.path.dirname(__file__))
 

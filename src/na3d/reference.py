@@ -66,13 +66,6 @@ def na3d_brute_force(
             ``None`` keeps q's dtype ("the same math at that precision").
         return_lse: also return the natural-log log-sum-exp.
         stride: ``(sT, sH, sW)``, each ``1 <= s <= K``.
-        dilation: ``(dT, dH, dW)``, each ``K * d <= size``: every dilation group
-            (positions ``g + d * i``) computed on its own as a strided view, the
-            results interleaved back (``w_offset`` must then be 0).
-        isolate: one query per SDPA call, whose keys are then exactly its window:
-            an inf or NaN input reaches exactly the results whose windows hold it
-            (forward and autograd), at the price of a call per query (what
-            :func:`na3d.na3d` runs on the CPU when an input is not finite).
 
     Returns:
         The output in q's dtype; with ``return_lse``, ``(out, lse)``, ``lse``

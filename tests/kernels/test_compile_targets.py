@@ -151,9 +151,10 @@ def compile_all(arch, first_only=False):
             k.endswith("maxnreg") for k in (bwd or {})), f"{arch} {bucket}: register caps on a non-NVIDIA table"
         dq_cap = dkdv_cap = None
         causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
-        # Every third configuration with two query heads per key/value head (GQA).
+        # Every third configuration with two query heads per key/value head (GQA); every
+        # launch with its check for inf/NaN (ASSUME_FINITE off), as by default.
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
-                    STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1)
+                    STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1, ASSUME_FINITE=False)
         dilated = dict(zip(("DIL_T", "DIL_H", "DIL_W"), DILATION_CYCLE[i % len(DILATION_CYCLE)]))
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
@@ -162,9 +163,8 @@ def compile_all(arch, first_only=False):
             modes = (0, 0, 0) if (i + use_tma) % 2 == 0 else MASK_CYCLE[i % len(MASK_CYCLE)]
             flags = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes),
                          **(dict(DIL_T=1, DIL_H=1, DIL_W=1) if use_tma else dilated))
-            fwd = fits(compile_for(na3d_fwd_kernel, target,
-                                   dict(base, RETURN_LSE=True, SCALE_SIGN=1 - 2 * (i % 2), USE_TMA=use_tma,
-                                        ASSUME_FINITE=False, REDO=False, **tiles, **flags),
+            fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
+                                                                 USE_TMA=use_tma, REDO=False, **tiles, **flags),
                                    warps, stages, cap), "forward")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
             assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
@@ -172,8 +172,7 @@ def compile_all(arch, first_only=False):
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
             if use_tma == (arch == "sm90"):  # the safe kernel (kernels/common.py), once per configuration
                 fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma,
-                                                               ASSUME_FINITE=False, REDO=True, **tiles, **flags),
-                                 warps, 1),
+                                                               REDO=True, **tiles, **flags), warps, 1),
                      "forward's second launch")
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
@@ -194,15 +193,14 @@ def compile_all(arch, first_only=False):
             dil = dict(DIL_T=1, DIL_H=1, DIL_W=1) if use_tma else dilated
             # dK/dV: mask-free (every pair full) on every other configuration.
             dkdv_masks = dict.fromkeys(("MASK_T", "MASK_H", "MASK_W"), 3 if (i + use_tma) % 2 else 0)
-            dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma,
-                                                                   ASSUME_FINITE=False, REDO=False, **tiles, **modes,
-                                                                   **dil),
+            dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False,
+                                                                   **tiles, **modes, **dil),
                                   dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
             dkdv = fits(compile_for(na3d_bwd_dkdv_kernel, target,
-                                    dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False,
-                                         ASSUME_FINITE=False, REDO=False, **dual, **dil, **dkdv_masks),
+                                    dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
+                                         **dual, **dil, **dkdv_masks),
                                     dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
@@ -210,20 +208,19 @@ def compile_all(arch, first_only=False):
             # fit there; elsewhere it must compile (an explicit config may select it, and a
             # launch that does not fit fails with Triton's out-of-resources error).
             fused = compile_for(na3d_bwd_dkdv_kernel, target,
-                                dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma,
-                                     ASSUME_FINITE=False, REDO=False, **dual, **dil, **PLAIN_MASKS),
+                                dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=False,
+                                     **dual, **dil, **PLAIN_MASKS),
                                 dkdv_warps, dkdv_stages, dkdv_cap)
             if bwd is not None and bwd.get("fused"):
                 fits(fused, "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma == (arch == "sm90"):
-                fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma,
-                                                                  ASSUME_FINITE=False, REDO=True, **tiles, **modes,
-                                                                  **dil), dq_warps, 1),
+                fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=True,
+                                                                  **tiles, **modes, **dil), dq_warps, 1),
                      "dQ's second launch")
                 fits(compile_for(na3d_bwd_dkdv_kernel, target,
-                                 dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, ASSUME_FINITE=False,
-                                      REDO=True, **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1), "dK/dV's second launch")
+                                 dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=True,
+                                      **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1), "dK/dV's second launch")
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"

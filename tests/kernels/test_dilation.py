@@ -46,7 +46,8 @@ FWD = configs.ForwardConfig((2, 4, 4), (1, 4, 8), 4, 2)
 BWD = configs.BackwardConfig((2, 4, 4), (1, 4, 8), (2, 4, 4), (1, 4, 8), 4, 1)
 # bf16 on the GPU only (the interpreter mishandles its arithmetic).
 DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE == "cuda" else ())
-RUNS = [(case, dtype) for case in CASES for dtype in DTYPES]
+# Each case with each backward: the two-kernel one and the one-pass one (``fused``).
+RUNS = [(case, dtype, fused) for case in CASES for dtype in DTYPES for fused in (False, True)]
 
 
 def inputs(case, dtype, seed):
@@ -56,16 +57,17 @@ def inputs(case, dtype, seed):
 
 
 # The default run: every dilated axis, causal T and W, stride on every axis, GQA and MQA,
-# unequal groups, pointers in fp32 and fp16, and folded descriptors. Cases 0 and 2 (slow)
-# combine the same features otherwise.
-KEEP = [RUNS.index(run) for run in ((CASES[1], torch.float16), (CASES[4], torch.float32), (CASES[5], torch.float16),
-                                    (CASES[6], torch.float16), (CASES[7], torch.float16), (CASES[8], torch.float16))]
+# unequal groups, pointers in fp32 and fp16, and folded descriptors, each backward with
+# pointers and with descriptors. Cases 0 and 2 (slow) combine the same features otherwise.
+KEEP = [RUNS.index(run) for run in ((CASES[1], torch.float16, True), (CASES[4], torch.float32, False),
+                                    (CASES[5], torch.float16, True), (CASES[6], torch.float16, False),
+                                    (CASES[7], torch.float16, True), (CASES[8], torch.float16, False))]
 
 
-@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=KEEP + [i for i, (_, d) in enumerate(RUNS)
-                                                                      if d == torch.bfloat16],
-                                                   ids=[f"{CASES.index(c)}-{str(d)[6:]}" for c, d in RUNS]))
-def test_dilation_forward_and_backward(case, dtype):
+@pytest.mark.parametrize("case,dtype,fused", slow_except(
+    RUNS, keep=KEEP + [i for i, (_, d, _) in enumerate(RUNS) if d == torch.bfloat16],
+    ids=[f"{CASES.index(c)}-{str(d)[6:]}-{'one-pass' if f else 'two-kernel'}" for c, d, f in RUNS]))
+def test_dilation_forward_and_backward(case, dtype, fused):
     shape, _, kernel, dilation, causal, stride, _ = case
     q, k, v = inputs(case, dtype, seed=sum(shape))
     grad_out = make_qkv(shape, dtype, device=DEVICE, seed=3)[0]
@@ -77,11 +79,10 @@ def test_dilation_forward_and_backward(case, dtype):
     _, want_lse = na3d.na3d_brute_force(q.cpu(), k.cpu(), v.cpu(), kernel, scale=0.3, return_lse=True,
                                         **oracle_heads)
     torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-3)
-    for fused in (False, True):
-        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-        launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
-                             config=dataclasses.replace(BWD, fused=fused), **features)
-        assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3, **oracle_heads)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
+                         config=dataclasses.replace(BWD, fused=fused), **features)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3, **oracle_heads)
 
 
 def test_descriptors_fold_the_groups_where_the_layout_allows():

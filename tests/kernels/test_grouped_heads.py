@@ -35,23 +35,26 @@ def grouped(shape, kv_heads, layout, dtype, seed):
     return q, k[..., :kv_heads, :], v[..., :kv_heads, :]
 
 
-RUNS = [(case, dtype) for case in CASES for dtype in (torch.float32, torch.float16)]
+# Each case with each backward: the two-kernel one and the one-pass one (``fused``).
+RUNS = [(case, dtype, fused) for case in CASES for dtype in (torch.float32, torch.float16) for fused in (False, True)]
+# The default run: GQA and MQA, B > 1, an even kernel, strided heads; each backward.
+KEEP = [RUNS.index(run) for run in ((CASES[0], torch.float16, True), (CASES[1], torch.float32, False),
+                                    (CASES[2], torch.float32, True))]
 
 
-@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=(1, 2, 4), ids=[f"{i // 2}-{str(d)[6:]}" for i, (_, d)
-                                                                        in enumerate(RUNS)]))
-def test_grouped_heads_forward_and_backward(case, dtype):
+@pytest.mark.parametrize("case,dtype,fused", slow_except(
+    RUNS, keep=KEEP, ids=[f"{CASES.index(c)}-{str(d)[6:]}-{'one-pass' if f else 'two-kernel'}" for c, d, f in RUNS]))
+def test_grouped_heads_forward_and_backward(case, dtype, fused):
     shape, kv_heads, kernel, layout = case
     q, k, v = grouped(shape, kv_heads, layout, dtype, seed=sum(shape))
     grad_out = make_qkv(shape, dtype, device=DEVICE, seed=7)[0]
     out = torch.full_like(q, float("nan"))
     out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, out=out, return_lse=True, config=FWD)
     assert_matches_oracle(out, q, k, v, kernel, 0.3)
-    for fused in (False, True):
-        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-        launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
-                             config=dataclasses.replace(BWD, fused=fused))
-        assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=grads,
+                         config=dataclasses.replace(BWD, fused=fused))
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.3)
 
 
 # The default run takes the smaller grid (several query boxes along T and W); the
