@@ -325,16 +325,11 @@ def bucket_options(entry: Dict, shape: Optional[Triple] = None, kernel_size: Opt
 
 
 @functools.lru_cache(maxsize=1024)
-def backward_config(
-    arch: str,
-    shape: Triple,
-    kernel_size: Triple,
-    head_dim: int,
-    dtype: torch.dtype,
-    stride: Triple = (1, 1, 1),
-    is_causal: Tuple[bool, bool, bool] = (False, False, False),
-) -> BackwardConfig:
-    """Launch configuration for the backward kernels on ``shape = (T, H, W)``.
+def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int, dtype: torch.dtype,
+                    stride: Triple = (1, 1, 1),
+                    is_causal: Tuple[bool, bool, bool] = (False, False, False)) -> BackwardConfig:
+    """Launch configuration for the backward kernels on ``shape = (T, H, W)`` (the
+    arguments are :func:`forward_config`'s).
 
     A bucket's optional ``backward`` entry gives the tiles; without one, dQ reuses
     the forward's tiles and dK/dV their transpose (key boxes the shape of the

@@ -253,12 +253,12 @@ def na3d_bwd_dkdv_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
+    FULL_PAIRS: tl.constexpr = MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE
     run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
                              (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
                              T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                              (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                             (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ,
-                             BULK_DQ),
+                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ, FULL_PAIRS),
                  FLAGS, n_tiles, heads, n_programs, GROUP, True, ASSUME_FINITE, REDO)
 
 
@@ -267,8 +267,8 @@ def na3d_bwd_dkdv_kernel(
 def dkdv_tile(
     tile, head, batch, heads, Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC, strides,
     T, H, W, window, tiling, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_BOX: tl.constexpr,
-    Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr,
-    GROUP: tl.constexpr, USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr,
+    Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
+    USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr,
     SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
@@ -317,8 +317,7 @@ def dkdv_tile(
         dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
         q_strides, do_strides, batch, q_head, heads, batch.to(tl.int64), kt, kh, kw, T, H, W, *window,
         qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, *Q_BOX,
-        *WINDOW_FLAGS, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, *DILATION,
-        MASKS[0] == MASK_NONE and MASKS[1] == MASK_NONE and MASKS[2] == MASK_NONE, SAFE)
+        *WINDOW_FLAGS, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, *DILATION, FULL_PAIRS, SAFE)
     if SAFE:
         in_tile = k_valid[:, None] & d_ok[None, :]
         marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
