@@ -119,9 +119,9 @@ try:
     import triton
     import triton.language as tl
 
-    from na3d.kernels.common import queries_seeing as device_queries_seeing
-    from na3d.kernels.common import window_bounds as device_window_bounds
-    from na3d.kernels.common import window_start as device_window_start
+    from na3d.kernels.windows import queries_seeing as device_queries_seeing
+    from na3d.kernels.windows import window_bounds as device_window_bounds
+    from na3d.kernels.windows import window_start as device_window_start
 
     @triton.jit
     def _window_probe(Start, Bounds, L, K, S, CAUSAL: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):

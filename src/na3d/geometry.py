@@ -2,7 +2,7 @@
 
 Every other part of the package (references, kernel launchers, tests, benchmark
 accounting) asks this module; nobody re-derives the window formula. The Triton
-kernels carry a device copy of :func:`window_start` (``kernels/common.py``), and a
+kernels carry a device copy of :func:`window_start` (``kernels/windows.py``), and a
 test checks the two agree on every (index, length, kernel) of a sweep.
 
 Definitions follow NATTEN (``natten/backends/flex.py``), per dimension of length
@@ -18,7 +18,7 @@ Causal axes (NATTEN's definition: the ``K`` positions ending at the query, clipp
 at 0) and dilation are written here too. The Triton kernels compute every dilation
 group's windows at dilation 1 in the group's own coordinates (its positions
 ``g + d * i`` renumbered ``i``), so their device copies need only the dilation-1
-formulas; the grid of groups is ``kernels/common.py``'s ``dilation_group``.
+formulas; the grid of groups is ``kernels/groups.py``'s ``dilation_group``.
 """
 
 from __future__ import annotations

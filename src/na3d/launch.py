@@ -53,7 +53,7 @@ def backward_config(q: torch.Tensor, kernel_size: Sequence[int], dilation: Seque
 def group_grid(spatial: Sequence[int], dilation: Sequence[int]) -> Tuple[int, int, int]:
     """The largest dilation group's sub-grid, ``ceil(L / d)`` per axis (the grid
     itself at dilation 1): the kernels tile every group as this one
-    (``kernels/common.py``, ``dilation_group``)."""
+    (``kernels/groups.py``, ``dilation_group``)."""
     return tuple(-(-L // d) for L, d in zip(spatial, dilation))
 
 
@@ -70,7 +70,7 @@ def dilation_constexprs(dilation: Sequence[int]) -> dict:
 
 def group_strides(x: torch.Tensor, dilation: Sequence[int]) -> Tuple[int, ...]:
     """A ``(B, T, H, W, N, C)`` tensor's (b, t, h, w, head) strides as those of one
-    dilation group's sub-grid: t, h and w times the dilation (``kernels/common.py``,
+    dilation group's sub-grid: t, h and w times the dilation (``kernels/groups.py``,
     ``dilation_group``). Scaled here, where Triton sees their size and passes a stride
     past 2**31 as a 64-bit integer, so that the kernels keep 32-bit strides
     otherwise."""
@@ -146,7 +146,7 @@ def na3d_forward(
 
 def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, num_warps: int, num_stages: int,
                     maxnreg: Optional[int], assume_finite: bool) -> None:
-    """Every kernel's two launches (``kernels/common.py``, ``run_programs``): on
+    """Every kernel's two launches (``kernels/programs.py``, ``run_programs``): on
     ``grid`` the fast way, each program setting its entry of ``flags`` where its
     results hold an inf or NaN; then, on :func:`safe_grid`, ``REDO``: the flagged
     programs again, the safe way, on the same warps (so that its products are the
@@ -226,7 +226,7 @@ def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
 
 
 def safe_grid(flags: torch.Tensor) -> Tuple[int]:
-    """Programs of a kernel's second launch (kernels/common.py): enough to read the
+    """Programs of a kernel's second launch (kernels/programs.py): enough to read the
     flags in a few loads each (``FLAG_BLOCK`` a load), at most one per SM."""
     return (max(1, min(math.ceil(flags.numel() / FLAG_BLOCK), sm_count(flags.device))),)
 
@@ -283,7 +283,7 @@ def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[i
     group index is folded into the next inner axis, where a packed layout puts it
     (:func:`foldable`): group ``(gt, gh, gw)``'s box at ``(t, h, w)``, channel ``c``
     is at ``(t, gt * H / dh + h, gh * W / dw + w, gw * C + c)``
-    (``kernels/common.py``, ``descriptor_origin``). For a packed tensor this is a
+    (``kernels/groups.py``, ``descriptor_origin``). For a packed tensor this is a
     reshape, ``(B, T/dt, [dt, H/dh], [dh, W/dw], [dw, C])``: no two coordinates
     address one element. A box running past its group along the H axis (when T is
     dilated) or the W axis (when H is) reads the next group's positions, which the

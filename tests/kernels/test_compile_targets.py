@@ -170,7 +170,7 @@ def compile_all(arch, first_only=False):
             assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
-            if use_tma == (arch == "sm90"):  # the safe kernel (kernels/common.py), once per configuration
+            if use_tma == (arch == "sm90"):  # the safe kernel (kernels/programs.py), once per configuration
                 fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma,
                                                                REDO=True, **tiles, **flags), warps, 1),
                      "forward's second launch")

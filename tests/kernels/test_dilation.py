@@ -1,5 +1,5 @@
 """NATTEN's dilation inside the kernels: every dilation group in one launch of each
-kernel, a program's boxes in one group's sub-grid (``kernels/common.py``,
+kernel, a program's boxes in one group's sub-grid (``kernels/groups.py``,
 ``dilation_group``), against the float64 oracle.
 
 The cases make the groups differ in length (an axis not a multiple of its

@@ -23,6 +23,8 @@ Two ways to run them:
   from run to run (results differ in the last bits).
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -32,41 +34,56 @@ from .. import constants
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_of_program, box_offsets, box_steps, count_nonfinite, descriptor_origin,
-                     dilation_group, finite_part, first_box, grid_position, has_nonfinite, head_base, head_columns,
-                     key_scan_masks, key_scan_visible, key_value_bases, load_rows, mark_reached, MASK_NONE, next_box,
-                     nonfinite_rows, position_offsets, position_rows, program_box, queries_seeing, query_program,
-                     run_programs, sees, step_mask_bias, store_query_tile)
+from .groups import descriptor_origin, dilation_group, grid_position, Place, position_rows
+from .masks import key_scan_masks, key_scan_visible, MASK_NONE, no_mask, step_mask_bias
+from .memory import head_base, head_columns, key_value_bases, KeyBoxes, load_rows, position_offsets
+from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, nonfinite_rows
+from .programs import query_program, run_programs, store_query_tile
+from .tiles import box_at, box_of_program, box_scan, box_steps, first_box, next_box, program_box
+from .windows import Neighborhood, sees
 
 LOG2_E = tl.constexpr(constants.LOG2_E)
 
 
+class QueryBoxes(NamedTuple):
+    """Where a dK/dV program reads its boxes of queries: the tensor descriptors of Q,
+    dO and ``STATS`` (``USE_TMA``), and through pointers the group's first query
+    head of Q and dO (``memory.head_base``), their strides, and ``STATS``."""
+    Q_DESC: tl.tensor
+    DO_DESC: tl.tensor
+    STATS_DESC: tl.tensor
+    q_base: tl.tensor
+    do_base: tl.tensor
+    q_strides: tl.tensor
+    do_strides: tl.tensor
+    STATS: tl.tensor
+
+
 @triton.jit
-def stats_index(batch, head, heads, t, h, w, place, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr):
+def stats_index(batch, head, heads, t, h, w, place, DILATION: tl.constexpr):
     """Element index (int64) of the lse of positions ``(t, h, w)`` of one (batch,
     head) in ``STATS``, positions of the dilation group ``place``
-    (``kernels.common.dilation_group``); their delta is the next element."""
-    T, H, W, t, h, w = grid_position(t, h, w, place, DIL_T, DIL_H, DIL_W)
-    return ((((batch.to(tl.int64) * heads + head) * T + t) * H + h) * W + w) * 4
+    (``kernels.groups``); their delta is the next element."""
+    t, h, w = grid_position(t, h, w, place, DILATION)
+    return ((((batch.to(tl.int64) * heads + head) * place.T + t) * place.H + h) * place.W + w) * 4
 
 
 @triton.jit
-def query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, heads, t, h, w, valid, place, d,
-                     d_ok, HAS_DLSE: tl.constexpr, STORE: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr,
-                     DIL_W: tl.constexpr):
+def query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, heads, t, h, w, valid, place, cols,
+                     HAS_DLSE: tl.constexpr, STORE: tl.constexpr, DILATION: tl.constexpr):
     """A box of queries' dO rows and statistics (module docstring): ``(do, lse2,
     delta)``, ``lse2`` the lse in log2 units and ``delta = rowsum(dO * O) - dlse``;
     with ``STORE`` also written to ``STATS`` where ``valid``. Positions ``(t, h, w)``
-    of the dilation group ``place`` (int64); O and DO that group's (``dilation_group``)."""
-    do = load_rows(head_base(DO, do_strides, batch, head), do_strides, t, h, w, d, d_ok)
-    o = load_rows(head_base(O, o_strides, batch, head), o_strides, t, h, w, d, d_ok)
-    rows = position_rows(batch.to(tl.int64), head.to(tl.int64), heads, t, h, w, place, DIL_T, DIL_H, DIL_W)
+    of the dilation group ``place`` (int64); O and DO that group's (``kernels.groups``)."""
+    do = load_rows(head_base(DO, do_strides, batch, head), do_strides, t, h, w, cols)
+    o = load_rows(head_base(O, o_strides, batch, head), o_strides, t, h, w, cols)
+    rows = position_rows(batch.to(tl.int64), head.to(tl.int64), heads, t, h, w, place, DILATION)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + rows)
     lse2 = tl.load(LSE + rows) * LOG2_E
     if STORE:
-        stats = STATS + stats_index(batch, head, heads, t, h, w, place, DIL_T, DIL_H, DIL_W)
+        stats = STATS + stats_index(batch, head, heads, t, h, w, place, DILATION)
         tl.store(stats, lse2, mask=valid)
         tl.store(stats + 1, delta, mask=valid)
     return do, lse2, delta
@@ -114,87 +131,75 @@ def dq_tile(
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
     head (its keys and values: head ``head // GROUP``), the kernel's arguments
-    grouped (``kernels.common``'s docstring). Returns whether
-    its dQ holds an inf or NaN. ``SAFE``: the dQ elements a visible non-finite key
-    reaches are first marked NaN in DQ, the tile is computed by the safe loop, and
-    the marks are laid over it (``kernels.common``). Dilated: as the forward's tile."""
+    grouped (``kernels.programs``' docstring). Returns whether its dQ holds an inf or
+    NaN. ``SAFE``: the dQ elements a visible non-finite key reaches are first marked
+    NaN in DQ, the tile is computed by the safe loop, and the marks are laid over it
+    (``kernels.nonfinite``). Dilated: as the forward's tile."""
     # Rows past the grid's end repeat the last position and are not stored (as in
     # the forward kernel).
-    T, H, W, place, tensors, qt, qh, qw, q_valid, union, d, d_ok, q = query_program(
-        tile, batch, head, (Q, K, V, O, DO, DQ), strides, T, H, W, window, tiling, HEAD_DIM, BLOCK_D, Q_BOX,
-        WINDOW_FLAGS, DILATION)
-    _, K, V, O, DO, DQ = tensors
+    prog = query_program(tile, batch, head, (Q, K, V, O, DO, DQ), strides, T, H, W, window, tiling, HEAD_DIM,
+                         BLOCK_D, Q_BOX, WINDOW_FLAGS, DILATION)
+    _, K, V, O, DO, DQ = prog.tensors
     _, k_strides, v_strides, o_strides, do_strides, dq_strides = strides
+    box = prog.box
     BLOCK_Q: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     # (The safe way would store the same statistics again.)
     do, lse2, delta = query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, heads,
-                                       qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64), q_valid, place, d, d_ok,
-                                       HAS_DLSE, not SAFE, *DILATION)
+                                       box.t.to(tl.int64), box.h.to(tl.int64), box.w.to(tl.int64), box.valid,
+                                       prog.place, prog.cols, HAS_DLSE, not SAFE, DILATION)
 
     kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
     if SAFE:
-        mark_reached(head_base(DQ, dq_strides, batch, head), position_offsets(dq_strides, qt, qh, qw), q_valid,
-                     k_base, k_strides, qt, qh, qw, T, H, W, *window, *union,
-                     HEAD_DIM, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, 1, True)
-    dq = dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides,
-                 batch, kv_head, qt, qh, qw, T, H, W, *window,
-                 *union, qk_scale, d, d_ok, descriptor_origin(place, *DILATION),
-                 (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, *KV_BOX,
-                 *WINDOW_FLAGS, USE_TMA, *MASKS, SAFE)
-    return store_query_tile(DQ, dq_strides, batch, head, qt, qh, qw, q_valid, dq, d, d_ok, SAFE, ASSUME_FINITE, scale)
+        mark_reached(head_base(DQ, dq_strides, batch, head), position_offsets(dq_strides, box.t, box.h, box.w), box,
+                     k_base, k_strides, prog.nb, WINDOW_FLAGS, prog.union, HEAD_DIM, BLOCK_Q, KV_BOX, 1, True)
+    keys = KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
+                    descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
+    dq = dq_scan(prog.q, do, lse2, delta, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
+                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SAFE)
+    return store_query_tile(DQ, dq_strides, batch, head, box, dq, prog.cols, SAFE, ASSUME_FINITE, scale)
 
 
 @triton.jit
-def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides,
-            batch, kv_head, qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW,
-            ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, origin, kv_channels,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-            KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-            CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-            USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
-            SAFE: tl.constexpr):
-    """The dQ kernel's scan: dQ unscaled. ``SAFE``: the safe loop
-    (``kernels.common``): masks by selection (window bits where they fit), ``dS``
-    too (a non-finite ``dP`` of a hidden key stays out), and multiplies ``dS`` by
-    the keys' finite part; not pipelined."""
-    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
-    steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
+def dq_scan(q, do, lse2, delta, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr,
+            USE_TMA: tl.constexpr, SAFE: tl.constexpr):
+    """The dQ kernel's scan of the union of the windows of ``box`` (``union``) in key
+    boxes read from ``keys`` (a ``memory.KeyBoxes``): dQ unscaled. ``SAFE``: the safe
+    loop (``kernels.nonfinite``): masks by selection (window bits where they fit),
+    ``dS`` too (a non-finite ``dP`` of a hidden key stays out), and multiplies ``dS``
+    by the keys' finite part; not pipelined."""
+    BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    scan = box_scan(union, KV_BOX)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
-    NO_MASK: tl.constexpr = (MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE) and not SAFE
-    ON_PRODUCT: tl.constexpr = MASK_T + MASK_H + MASK_W > 0 and not SAFE and not NO_MASK
-    windows, fixed_bias, bits = key_scan_masks(
-        qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
-        CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE,
-        float("-inf"))
+    NO_MASK: tl.constexpr = no_mask(MASKS[0], MASKS[1], MASKS[2], SAFE)
+    ON_PRODUCT: tl.constexpr = MASKS[0] + MASKS[1] + MASKS[2] > 0 and not SAFE and not NO_MASK
+    masks = key_scan_masks(box, nb, WINDOW_FLAGS, scan, MASKS, KV_BOX, BLOCK_Q, ON_PRODUCT, SAFE, float("-inf"))
     i_t, i_h, i_w = first_box()
-    for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
-        c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
-                                           KV_T, KV_H, KV_W)
+    for _ in tl.range(scan.n_steps, num_stages=1 if SAFE else None):
+        c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
         if USE_TMA and not SAFE:
-            # (origin, kv_channels: the dilation group's place, see load_key_box)
-            corner = [batch, c_t, c_h + origin[0], c_w + origin[1], kv_head * HEAD_DIM + origin[2] * kv_channels]
-            k = K_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
-            v = V_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
+            # (the dilation group's place, see memory.load_key_box)
+            corner = [keys.batch, c_t, c_h + keys.origin[0], c_w + keys.origin[1],
+                      keys.head * HEAD_DIM + keys.origin[2] * keys.channels]
+            k = keys.K_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
+            v = keys.V_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
         else:
-            # Keys past the union repeat its last position and are masked (load_key_box).
-            pt = tl.minimum(kt, ut1 - 1).to(tl.int64)
-            ph = tl.minimum(kh, uh1 - 1).to(tl.int64)
-            pw = tl.minimum(kw, uw1 - 1).to(tl.int64)
-            k = load_rows(k_base, k_strides, pt, ph, pw, d, d_ok)
-            v = load_rows(v_base, v_strides, pt, ph, pw, d, d_ok)
+            # Keys past the union repeat its last position and are masked (memory.load_key_box).
+            pt = tl.minimum(kt, union.t1 - 1).to(tl.int64)
+            ph = tl.minimum(kh, union.h1 - 1).to(tl.int64)
+            pw = tl.minimum(kw, union.w1 - 1).to(tl.int64)
+            k = load_rows(keys.k_base, keys.k_strides, pt, ph, pw, cols)
+            v = load_rows(keys.v_base, keys.v_strides, pt, ph, pw, cols)
         if ON_PRODUCT:
-            bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
-                                  bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W)
+            bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         elif NO_MASK:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         else:
-            visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h, off_w,
-                                       T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED,
-                                       MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, SAFE)
+            visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS, KV_BOX,
+                                       BLOCK_Q, SAFE)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -203,7 +208,7 @@ def dq_scan(q, do, lse2, delta, K_DESC, V_DESC, k_base, v_base, k_strides, v_str
             ds = tl.where(visible, ds, 0.0)
             k, _ = finite_part(k)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
-        i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+        i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
     return dq
 
 
@@ -249,7 +254,7 @@ def na3d_bwd_dkdv_kernel(
     for query tiles (``DQ_ACC`` and ``STATS`` stay in full-grid order).
 
     ``REDO``: the second launch, on a grid (G,), any G: the programs the first
-    launch flagged are computed again the safe way (``kernels.common``), each by
+    launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
@@ -273,11 +278,11 @@ def dkdv_tile(
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
-    grouped (``kernels.common``'s docstring; ``K_BOX``: the box of keys, ``Q_BOX``:
+    grouped (``kernels.programs``' docstring; ``K_BOX``: the box of keys, ``Q_BOX``:
     the scan's boxes of queries). Returns (unless ``ASSUME_FINITE``) which of its rows
-    of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.common``).
+    of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.nonfinite``).
     Dilated: as the forward's tile, over a box of keys."""
-    tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, DO, DK, DV), strides, *DILATION)
+    tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, DO, DK, DV), strides, DILATION)
     Q, K, V, DO, DK, DV = tensors
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides = strides
     BLOCK_N: tl.constexpr = K_BOX[0] * K_BOX[1] * K_BOX[2]
@@ -289,13 +294,13 @@ def dkdv_tile(
     BULK_ADD_DQ: tl.constexpr = BULK_DQ and not SAFE
     # Keys past the grid's end repeat the last position; their dK/dV rows are not
     # stored, and no stored dK/dV row depends on them (dQ would: see below).
-    kt, kh, kw, k_valid, qt0, qt1, qh0, qh1, qw0, qw1 = program_box(
-        tile, *tiling, T, H, W, *window, *WINDOW_FLAGS, *K_BOX, DILATION[0] * DILATION[1] * DILATION[2] > 1,
-        queries_seeing)
+    nb = Neighborhood(T, H, W, *window)
+    keys, span = program_box(tile, tiling, nb, WINDOW_FLAGS, K_BOX, DILATION[0] * DILATION[1] * DILATION[2] > 1,
+                             False)
 
-    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
-    k = load_rows(head_base(K, k_strides, batch, head), k_strides, kt, kh, kw, d, d_ok)
-    v = load_rows(head_base(V, v_strides, batch, head), v_strides, kt, kh, kw, d, d_ok)
+    cols = head_columns(HEAD_DIM, BLOCK_D)
+    k = load_rows(head_base(K, k_strides, batch, head), k_strides, keys.t, keys.h, keys.w, cols)
+    v = load_rows(head_base(V, v_strides, batch, head), v_strides, keys.t, keys.h, keys.w, cols)
     q_head = head * GROUP  # the group's first query head
     q_base = head_base(Q, q_strides, batch, q_head)
     do_base = head_base(DO, do_strides, batch, q_head)
@@ -303,33 +308,34 @@ def dkdv_tile(
     if SAFE:
         # dV elements a visible non-finite dO row reaches, and dK elements a
         # visible non-finite query reaches, are first marked NaN in DV and DK.
-        dk_rows = position_offsets(dk_strides, kt, kh, kw)
-        dv_rows = position_offsets(dv_strides, kt, kh, kw)
+        dk_rows = position_offsets(dk_strides, keys.t, keys.h, keys.w)
+        dv_rows = position_offsets(dv_strides, keys.t, keys.h, keys.w)
         marked = ((head_base(DV, dv_strides, batch, head), dv_rows, do_base, do_strides),
                   (head_base(DK, dk_strides, batch, head), dk_rows, q_base, q_strides))
         for i in tl.static_range(2):
             out_base, out_rows, src_base, src_strides = marked[i]
-            mark_reached(out_base, out_rows, k_valid, src_base, src_strides, kt, kh, kw, T, H, W, *window,
-                         qt0, qt1, qh0, qh1, qw0, qw1, HEAD_DIM, BLOCK_N, *Q_BOX, *WINDOW_FLAGS, GROUP, False)
+            mark_reached(out_base, out_rows, keys, src_base, src_strides, nb, WINDOW_FLAGS, span, HEAD_DIM, BLOCK_N,
+                         Q_BOX, GROUP, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dk, dv = dkdv_scan(
-        dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-        q_strides, do_strides, batch, q_head, heads, batch.to(tl.int64), kt, kh, kw, T, H, W, *window,
-        qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok, HEAD_DIM, BLOCK_D, BLOCK_N, *Q_BOX,
-        *WINDOW_FLAGS, ADD_DQ, USE_TMA, BULK_ADD_DQ, GROUP, *DILATION, FULL_PAIRS, SAFE)
+        dk, dv, k, v, keys, QueryBoxes(Q_DESC, DO_DESC, STATS_DESC, q_base, do_base, q_strides, do_strides, STATS),
+        DQ_ACC, DQ_DESC, batch, q_head, heads, batch.to(tl.int64), nb, span, place, qk_scale, cols, HEAD_DIM, BLOCK_D,
+        BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP, ADD_DQ, USE_TMA, BULK_ADD_DQ, FULL_PAIRS, SAFE)
     if SAFE:
-        in_tile = k_valid[:, None] & d_ok[None, :]
-        marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        in_tile = keys.valid[:, None] & cols.ok[None, :]
+        marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + cols.d[None, :], mask=in_tile,
+                        other=0.0)
         dv = tl.where(marks != marks, float("nan"), dv)
-        marks = tl.load(head_base(DK, dk_strides, batch, head) + dk_rows[:, None] + d[None, :], mask=in_tile, other=0.0)
+        marks = tl.load(head_base(DK, dk_strides, batch, head) + dk_rows[:, None] + cols.d[None, :], mask=in_tile,
+                        other=0.0)
         dk = tl.where(marks != marks, float("nan"), dk)
 
-    store = k_valid[:, None] & d_ok[None, :]
-    dk_ptrs = (head_base(DK, dk_strides, batch, head) + position_offsets(dk_strides, kt, kh, kw)[:, None]
-               + d[None, :])
-    dv_ptrs = (head_base(DV, dv_strides, batch, head) + position_offsets(dv_strides, kt, kh, kw)[:, None]
-               + d[None, :])
+    store = keys.valid[:, None] & cols.ok[None, :]
+    dk_ptrs = (head_base(DK, dk_strides, batch, head) + position_offsets(dk_strides, keys.t, keys.h, keys.w)[:, None]
+               + cols.d[None, :])
+    dv_ptrs = (head_base(DV, dv_strides, batch, head) + position_offsets(dv_strides, keys.t, keys.h, keys.w)[:, None]
+               + cols.d[None, :])
     dk = (dk * scale).to(DK.dtype.element_ty)
     dv = dv.to(DV.dtype.element_ty)
     tl.store(dk_ptrs, dk, mask=store)
@@ -345,48 +351,45 @@ def dkdv_tile(
 
 
 @triton.jit
-def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
-              q_strides, do_strides, batch, first_head, heads, bh,
-              kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW, qt0, qt1, qh0, qh1, qw0, qw1, place, qk_scale, d, d_ok,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              Q_T: tl.constexpr, Q_H: tl.constexpr, Q_W: tl.constexpr,
-              CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-              ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, GROUP: tl.constexpr,
-              DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, FULL_PAIRS: tl.constexpr,
-              SAFE: tl.constexpr):
-    """The dK/dV kernel's scan over the query boxes that see its keys, of the
-    ``GROUP`` query heads from ``first_head`` on (``q_base``, ``do_base``: that
-    head's Q and dO): ``(dk, dv)`` plus their terms, dK unscaled. The heads are
-    one scan, innermost: step ``s`` takes head ``first_head + s % GROUP`` and the
-    box moves on after a box's last head. One loop, so that grouped heads cost the
-    registers and pipeline of one head, not a loop around the scan (NOTES v24:
-    that spilled), and a box's heads, adjacent in memory, are read one after the
-    other. ``T, H, W`` and the positions are
-    the dilation group's, ``place`` the group
-    (``kernels.common.dilation_group``). ``SAFE``: the safe loop (``kernels.common``):
-    ``dS`` masked by selection, the products by the finite parts of dO (for dV)
-    and Q (for dK); not pipelined. ``FULL_PAIRS``: every query of every box
-    scanned sees every key of the program's box, and no box runs past the scanned
-    range (the launcher's ``MASK_NONE`` on all axes): the fast loop masks nothing
-    (the fused backward's keeps its mask: keys past the grid must not reach dQ).
+def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, heads, bh, nb, span, place, qk_scale,
+              cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, Q_BOX: tl.constexpr,
+              WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
+              USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr, SAFE: tl.constexpr):
+    """The dK/dV kernel's scan over ``span``, the query boxes that see its keys
+    (``keys``, a ``tiles.Box``; ``k``, ``v`` theirs), of the ``GROUP`` query heads from
+    ``first_head`` on, read from ``queries`` (:class:`QueryBoxes`): ``(dk, dv)`` plus
+    their terms, dK unscaled. The heads are one scan, innermost: step ``s`` takes
+    head ``first_head + s % GROUP`` and the box moves on after a box's last head. One
+    loop, so that grouped heads cost the registers and pipeline of one head, not a
+    loop around the scan (NOTES v24: that spilled), and a box's heads, adjacent in
+    memory, are read one after the other. ``nb`` and the positions are the dilation
+    group's, ``place`` the group (``kernels.groups``). ``SAFE``: the safe loop
+    (``kernels.nonfinite``): ``dS`` masked by selection, the products by the finite
+    parts of dO (for dV) and Q (for dK); not pipelined. ``FULL_PAIRS``: every query
+    of every box scanned sees every key of the program's box, and no box runs past
+    the scanned range (the launcher's ``MASK_NONE`` on all axes): the fast loop masks
+    nothing (the fused backward's keeps its mask: keys past the grid must not reach
+    dQ).
 
     With ``ACCUMULATE_DQ`` (the fused backward, fast loop only) each step's dQ
-    terms go out at once and cannot be taken back, so they are computed the safe
-    way on every step: ``dS`` masked by selection and multiplied by the keys'
-    finite part, with NaN where a visible key is non-finite (the count only runs
-    when the program's keys hold a non-finite element)."""
-    BLOCK_M: tl.constexpr = Q_T * Q_H * Q_W
+    terms go out at once (into ``DQ_ACC``, through ``DQ_DESC`` with ``BULK_DQ``) and
+    cannot be taken back, so they are computed the safe way on every step: ``dS``
+    masked by selection and multiplied by the keys' finite part, with NaN where a
+    visible key is non-finite (the count only runs when the program's keys hold a
+    non-finite element)."""
+    BLOCK_M: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     NO_MASK: tl.constexpr = FULL_PAIRS and not SAFE and not ACCUMULATE_DQ
-    steps_h, steps_w, n_steps = box_steps(qt0, qt1, qh0, qh1, qw0, qw1, Q_T, Q_H, Q_W)
-    origin = descriptor_origin(place, DIL_T, DIL_H, DIL_W)
+    # (The scan's steps before the rest of the set-up: this order of the code is the
+    # one whose compiled kernels were measured.)
+    steps = box_steps(span, Q_BOX)
+    origin = descriptor_origin(place, DILATION)
     if ACCUMULATE_DQ:
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)
-    off_t, off_h, off_w = box_offsets(Q_T, Q_H, Q_W)
+    scan = box_scan(span, Q_BOX, steps)
     i_t, i_h, i_w = first_box()
-    for step in tl.range(n_steps * GROUP, num_stages=1 if SAFE else None):
-        c_t, c_h, c_w, qt, qh, qw = box_at(i_t, i_h, i_w, qt0, qh0, qw0, off_t, off_h, off_w,
-                                           Q_T, Q_H, Q_W)
+    for step in tl.range(scan.n_steps * GROUP, num_stages=1 if SAFE else None):
+        c_t, c_h, c_w, qt, qh, qw = box_at(scan, i_t, i_h, i_w, Q_BOX)
         head = first_head + step % GROUP
         hd = head.to(tl.int64)
         if USE_TMA and not SAFE:
@@ -394,58 +397,58 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
             # inside the grid see none of the box's keys (the mask drops them); past
             # the grid, q, dO, lse and delta read zeros, so whatever the mask says
             # their dV, dS (and so dK, dQ) terms are exact zeros. Boxes are read in
-            # the dilation group's place (kernels.common.descriptor_origin).
+            # the dilation group's place (groups.descriptor_origin).
             c_h += origin[0]
             c_w += origin[1]
-            q = Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
+            q = queries.Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
                 BLOCK_M, BLOCK_D)
-            do = DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
+            do = queries.DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
                 BLOCK_M, BLOCK_D)
-            stats = STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, origin[2] * 4]).reshape(BLOCK_M, 2, 2)
+            stats = queries.STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, origin[2] * 4]).reshape(BLOCK_M, 2, 2)
             lse2_pad, delta_pad = tl.split(stats)
             lse2, _ = tl.split(lse2_pad)
             delta, _ = tl.split(delta_pad)
             if not NO_MASK:
-                visible = sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
-            if (DIL_T > 1 or DIL_H > 1) and not NO_MASK:
+                visible = sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
+            if (DILATION[0] > 1 or DILATION[1] > 1) and not NO_MASK:
                 # The descriptors fold group gt into the H axis and gh into the W axis
                 # (launch.box_descriptor): there a box past its group's end reads the
                 # next group's positions, not zeros, so those queries are masked out.
                 # (Past the T axis' end, and past W's when only W is dilated, the
                 # reads are zeros, as without dilation.)
-                if DIL_T > 1 and DIL_H > 1:
-                    in_group = (qh < qh1) & (qw < qw1)
-                elif DIL_T > 1:
-                    in_group = qh < qh1
+                if DILATION[0] > 1 and DILATION[1] > 1:
+                    in_group = (qh < span.h1) & (qw < span.w1)
+                elif DILATION[0] > 1:
+                    in_group = qh < span.h1
                 else:
-                    in_group = qw < qw1
+                    in_group = qw < span.w1
                 visible &= in_group[None, :]
             if ACCUMULATE_DQ and not BULK_DQ:
-                q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-                rows = position_rows(bh, hd, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
+                q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
+                rows = position_rows(bh, hd, heads, qt, qh, qw, place, DILATION)
         else:
             # Queries past the range (neighbours, or repeats of its last one) are
             # masked out: a duplicate would count twice. (With NO_MASK no box runs
             # past the range.)
             if not NO_MASK:
-                q_in = (qt < qt1) & (qh < qh1) & (qw < qw1)
-                qt = tl.minimum(qt, qt1 - 1)
-                qh = tl.minimum(qh, qh1 - 1)
-                qw = tl.minimum(qw, qw1 - 1)
+                q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
+                qt = tl.minimum(qt, span.t1 - 1)
+                qh = tl.minimum(qh, span.h1 - 1)
+                qw = tl.minimum(qw, span.w1 - 1)
             pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-            q = load_rows(q_base + (head - first_head) * q_strides[4], q_strides, pt, ph, pw, d, d_ok)
-            do = load_rows(do_base + (head - first_head) * do_strides[4], do_strides, pt, ph, pw, d, d_ok)
-            rows = position_rows(bh, hd, heads, pt, ph, pw, place, DIL_T, DIL_H, DIL_W)
-            stats = STATS + stats_index(batch, head, heads, qt, qh, qw, place, DIL_T, DIL_H, DIL_W)
+            q = load_rows(queries.q_base + (head - first_head) * queries.q_strides[4], queries.q_strides, pt, ph, pw,
+                          cols)
+            do = load_rows(queries.do_base + (head - first_head) * queries.do_strides[4], queries.do_strides, pt, ph,
+                           pw, cols)
+            rows = position_rows(bh, hd, heads, pt, ph, pw, place, DILATION)
+            stats = queries.STATS + stats_index(batch, head, heads, qt, qh, qw, place, DILATION)
             lse2 = tl.load(stats)
             delta = tl.load(stats + 1)
             if not NO_MASK:
-                visible = q_in[None, :] & sees(qt, qh, qw, kt, kh, kw, T, H, W, KT, KH, KW, ST, SH, SW,
-                                               CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED, True)
+                visible = q_in[None, :] & sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
         if ACCUMULATE_DQ:
             # Keys past the grid's end (repeats of the last one) must not reach dQ.
-            visible = visible & k_valid[:, None]
+            visible = visible & keys.valid[:, None]
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         if NO_MASK:
             p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
@@ -471,18 +474,18 @@ def dkdv_scan(dk, dv, k, v, k_valid, q_base, do_base, STATS, DQ_ACC, Q_DESC, DO_
                                    float("nan"), dq_part)
             if BULK_DQ:
                 DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D + origin[2] * heads * BLOCK_D],
-                                   dq_part.reshape(1, Q_T, Q_H, Q_W, BLOCK_D))
+                                   dq_part.reshape(1, Q_BOX[0], Q_BOX[1], Q_BOX[2], BLOCK_D))
             else:
-                tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + d[None, :], dq_part,
-                              mask=q_in[:, None] & d_ok[None, :], sem="relaxed")
+                tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + cols.d[None, :], dq_part,
+                              mask=q_in[:, None] & cols.ok[None, :], sem="relaxed")
         if GROUP > 1:  # the box's last head: the next box
-            n_t, n_h, n_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+            n_t, n_h, n_w = next_box(scan, i_t, i_h, i_w)
             box_done = step % GROUP == GROUP - 1
             i_t = tl.where(box_done, n_t, i_t)
             i_h = tl.where(box_done, n_h, i_h)
             i_w = tl.where(box_done, n_w, i_w)
         else:
-            i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+            i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
     return dk, dv
 
 
@@ -498,7 +501,8 @@ def na3d_bwd_delta_kernel(
     head = tl.program_id(1)
     batch = tl.program_id(2)
     _, _, _, qt, qh, qw, q_valid = box_of_program(tl.program_id(0), tiles_h, tiles_w, T, H, W, Q_T, Q_H, Q_W)
-    d, d_ok = head_columns(HEAD_DIM, BLOCK_D)
+    cols = head_columns(HEAD_DIM, BLOCK_D)
     # (Positions are independent here: the full grid, whatever the dilation.)
     query_statistics(O, DO, LSE, DLSE, STATS, o_strides, do_strides, batch, head, tl.num_programs(1), qt.to(tl.int64),
-                     qh.to(tl.int64), qw.to(tl.int64), q_valid, (T, H, W, T, H, W), d, d_ok, HAS_DLSE, True, 1, 1, 1)
+                     qh.to(tl.int64), qw.to(tl.int64), q_valid, Place(T, H, W, T, H, W), cols, HAS_DLSE, True,
+                     (1, 1, 1))

@@ -7,9 +7,13 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .common import (box_at, box_offsets, box_steps, descriptor_origin, finite_part, first_box, head_base,
-                     key_scan_masks, key_scan_visible, key_value_bases, load_key_box, mark_reached, MASK_NONE, next_box,
-                     position_offsets, position_rows, query_program, run_programs, step_mask_bias, store_query_tile)
+from .groups import descriptor_origin, position_rows
+from .masks import key_scan_masks, key_scan_visible, no_mask, step_mask_bias
+from .memory import head_base, key_value_bases, KeyBoxes, load_key_box, position_offsets
+from .nonfinite import finite_part, mark_reached
+from .programs import query_program, run_programs, store_query_tile
+from .softmax import online_softmax_step
+from .tiles import box_at, box_scan, first_box, next_box
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -36,7 +40,7 @@ def na3d_fwd_kernel(
     ``heads`` counts query heads.
 
     ``DIL_T/H/W``: NATTEN's dilation. The query tiles are then (box, dilation group)
-    pairs over the largest group's sub-grid (``kernels.common.dilation_group``), and
+    pairs over the largest group's sub-grid (``kernels.groups``), and
     the stride tuples a group's (``launch.group_strides``: t, h, w times the dilation).
 
     ``qk_scale`` is the softmax scale times log2(e), ``SCALE_SIGN`` its sign (-1, 0,
@@ -50,7 +54,7 @@ def na3d_fwd_kernel(
     running past the union reads the neighbouring keys (zeros past the tensor's
     end), which the mask drops. Without it the descriptors are never read.
 
-    ``MASK_T/H/W`` (``kernels.common``): how each axis' part of the window mask is
+    ``MASK_T/H/W`` (``kernels.masks``): how each axis' part of the window mask is
     applied. ``MASK_FIXED``: the launcher guarantees that along this axis every
     program's union fits one key box (``geometry.union_width_bound``), so the scan
     never moves there and that part is the same on every step; it is computed once,
@@ -62,12 +66,12 @@ def na3d_fwd_kernel(
     (or a zero scale) the kernel masks the scores after the product instead.
 
     ``FLAGS``: int8 per program (``tile + n_tiles * (head + heads * batch)``), set to
-    1 where the program's output holds an inf or NaN (``kernels.common``: the
+    1 where the program's output holds an inf or NaN (``kernels.nonfinite``: the
     second launch, ``REDO``, computes those tiles again the safe way), 0
     elsewhere.
 
     ``REDO``: the second launch, on a grid (G,), any G: the programs the first
-    launch flagged are computed again the safe way (``kernels.common``), each by
+    launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
@@ -77,7 +81,6 @@ def na3d_fwd_kernel(
                                 (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, RETURN_LSE, SCALE_SIGN,
                                 USE_TMA),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO)
-
 
 
 @triton.jit
@@ -90,118 +93,80 @@ def forward_tile(
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
-    The kernel's arguments come grouped (``kernels.common``'s docstring).
+    The kernel's arguments come grouped (``kernels.programs``' docstring).
     Returns (unless ``ASSUME_FINITE``) whether the output holds an inf or NaN. ``SAFE``: the
-    safe way (``kernels.common``): the outputs a visible non-finite value reaches
+    safe way (``kernels.nonfinite``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it. Dilated: the box lies in one dilation group, whose
-    sub-grid ``T, H, W`` and tensors stand for the full ones from here on."""
-    T, H, W, place, tensors, qt, qh, qw, q_valid, union, d, d_ok, q = query_program(
-        tile, batch, head, (Q, K, V, O), strides, T, H, W, window, tiling, HEAD_DIM, BLOCK_D, Q_BOX, WINDOW_FLAGS,
-        DILATION)
-    _, K, V, O = tensors
+    sub-grid and tensors stand for the full ones from here on."""
+    prog = query_program(tile, batch, head, (Q, K, V, O), strides, T, H, W, window, tiling, HEAD_DIM, BLOCK_D, Q_BOX,
+                         WINDOW_FLAGS, DILATION)
+    _, K, V, O = prog.tensors
     _, k_strides, v_strides, o_strides = strides
+    box = prog.box
     BLOCK_Q: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
     if SAFE:
-        mark_reached(head_base(O, o_strides, batch, head), position_offsets(o_strides, qt, qh, qw), q_valid,
-                     v_base, v_strides, qt, qh, qw, T, H, W, *window, *union,
-                     HEAD_DIM, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, 1, True)
-    acc, m_i, l_i = forward_scan(
-        q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head, qt, qh, qw, T, H, W, *window,
-        *union, qk_scale, d, d_ok, descriptor_origin(place, *DILATION),
-        (heads // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_D, BLOCK_Q, *KV_BOX, *WINDOW_FLAGS, SCALE_SIGN, USE_TMA, *MASKS,
-        SAFE)
-    nonfinite = store_query_tile(O, o_strides, batch, head, qt, qh, qw, q_valid, acc / l_i[:, None], d, d_ok, SAFE,
-                                 ASSUME_FINITE)
+        mark_reached(head_base(O, o_strides, batch, head), position_offsets(o_strides, box.t, box.h, box.w), box,
+                     v_base, v_strides, prog.nb, WINDOW_FLAGS, prog.union, HEAD_DIM, BLOCK_Q, KV_BOX, 1, True)
+    keys = KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
+                    descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
+    acc, m_i, l_i = forward_scan(prog.q, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
+                                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SAFE)
+    nonfinite = store_query_tile(O, o_strides, batch, head, box, acc / l_i[:, None], prog.cols, SAFE, ASSUME_FINITE)
     if RETURN_LSE:
-        lse_rows = position_rows(batch, head, heads, qt, qh, qw, place, *DILATION)
+        lse_rows = position_rows(batch, head, heads, box.t, box.h, box.w, prog.place, DILATION)
         # m_i is in log2 units of the scaled scores; convert to natural log.
-        tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=q_valid)
+        tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=box.valid)
     # (A NaN lse comes with a NaN output row.)
     return nonfinite
 
 
 @triton.jit
-def forward_scan(q, K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head, qt, qh, qw, T, H, W,
-                 KT, KH, KW, ST, SH, SW, ut0, ut1, uh0, uh1, uw0, uw1, qk_scale, d, d_ok, origin, kv_channels,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 KV_T: tl.constexpr, KV_H: tl.constexpr, KV_W: tl.constexpr,
-                 CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
-                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
-                 MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, SAFE: tl.constexpr):
-    """The scan of one program's union of windows: ``(acc, m, l)``, the
-    unnormalized output, row maximum and sum (log2 domain). ``origin``,
-    ``kv_channels``: the key/value descriptors' place of the dilation group
-    (``kernels.common.load_key_box``). ``SAFE``: the safe loop (``kernels.common``): masks by selection, multiplies by
-    the values' finite part; not pipelined, so that it adds no shared memory."""
-    BLOCK_KV: tl.constexpr = KV_T * KV_H * KV_W
-    steps_h, steps_w, n_steps = box_steps(ut0, ut1, uh0, uh1, uw0, uw1, KV_T, KV_H, KV_W)
+def forward_scan(q, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr,
+                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr):
+    """The scan of one program's union of windows (``union``, a ``tiles.Span``) in
+    key boxes read from ``keys`` (a ``memory.KeyBoxes``), for the queries ``q`` of
+    ``box``: ``(acc, m, l)``, the unnormalized output, row maximum and sum (log2
+    domain). ``SAFE``: the safe loop (``kernels.nonfinite``): masks by selection,
+    multiplies by the values' finite part; not pipelined, so that it adds no shared
+    memory."""
+    BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    scan = box_scan(union, KV_BOX)
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    off_t, off_h, off_w = box_offsets(KV_T, KV_H, KV_W)
     # Scores the mask drops: -inf, or +inf when the scale is negative (the row
-    # "maximum" is then taken as a minimum of the raw scores, see below).
+    # "maximum" is then taken as a minimum of the raw scores: softmax).
     MASKED: tl.constexpr = float("inf") if SCALE_SIGN < 0 else float("-inf")
     # (A zero scale has no scores to add the bias to: it keeps the plain mask; so
     # does the safe loop, which must select, not add, the mask.)
-    NO_MASK: tl.constexpr = (MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE) and not SAFE
-    ON_PRODUCT: tl.constexpr = (MASK_T + MASK_H + MASK_W > 0) and SCALE_SIGN != 0 and not SAFE and not NO_MASK
+    NO_MASK: tl.constexpr = no_mask(MASKS[0], MASKS[1], MASKS[2], SAFE)
+    ON_PRODUCT: tl.constexpr = (MASKS[0] + MASKS[1] + MASKS[2] > 0) and SCALE_SIGN != 0 and not SAFE and not NO_MASK
     MASK_SCORES: tl.constexpr = not ON_PRODUCT and not NO_MASK
-    windows, fixed_bias, bits = key_scan_masks(
-        qt, qh, qw, T, H, W, KT, KH, KW, ST, SH, SW, ut0, uh0, uw0, off_t, off_h, off_w, CAUSAL_T, CAUSAL_H,
-        CAUSAL_W, STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV, ON_PRODUCT, SAFE, MASKED)
+    masks = key_scan_masks(box, nb, WINDOW_FLAGS, scan, MASKS, KV_BOX, BLOCK_Q, ON_PRODUCT, SAFE, MASKED)
     i_t, i_h, i_w = first_box()
-    for _ in tl.range(n_steps, num_stages=1 if SAFE else None):
-        c_t, c_h, c_w, kt, kh, kw = box_at(i_t, i_h, i_w, ut0, uh0, uw0, off_t, off_h, off_w,
-                                           KV_T, KV_H, KV_W)
-        k = load_key_box(K_DESC, k_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, k_strides,
-                         d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
+    for _ in tl.range(scan.n_steps, num_stages=1 if SAFE else None):
+        c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
+        k = load_key_box(keys, False, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                         USE_TMA and not SAFE)
         if ON_PRODUCT:
-            bias = step_mask_bias(fixed_bias, kt, kh, kw, *windows, bits[0] >> (i_t * KV_T), bits[1] >> (i_h * KV_H),
-                                  bits[2] >> (i_w * KV_W), off_t, off_h, off_w, MASK_T, MASK_H, MASK_W, MASKED)
+            bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX, MASKED)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             if MASK_SCORES:
-                visible = key_scan_visible(qt, qh, qw, kt, kh, kw, windows, bits, i_t, i_h, i_w, off_t, off_h,
-                                           off_w, T, H, W, KT, KH, KW, ST, SH, SW, CAUSAL_T, CAUSAL_H, CAUSAL_W,
-                                           STRIDED, MASK_T, MASK_H, MASK_W, KV_T, KV_H, KV_W, BLOCK_Q, BLOCK_KV,
-                                           SAFE)
-        # The row maximum of the scaled scores is taken on the raw ones (the scale's
-        # sign picks max or min), so that scaling and subtracting it fuse into one
-        # FMA per score.
-        if SCALE_SIGN > 0:
-            if MASK_SCORES:
-                s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        elif SCALE_SIGN < 0:
-            if MASK_SCORES:
-                s = tl.where(visible, s, float("inf"))
-            m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
-        else:
-            # 0 * score keeps a non-finite score non-finite, as scaling it would.
-            if MASK_SCORES:
-                s = tl.where(visible, s * 0.0, float("-inf"))
-            else:
-                s = s * 0.0
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes
-        # its exponentials exactly 0 rather than NaN.
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_sub)
-        if SCALE_SIGN == 0:
-            p = tl.math.exp2(s - m_sub[:, None])
-        else:
-            p = tl.math.exp2(s * qk_scale - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_key_box(V_DESC, v_base, batch, c_t, c_h, c_w, kv_head, kt, kh, kw, ut1, uh1, uw1, v_strides,
-                         d, d_ok, origin, kv_channels, HEAD_DIM, BLOCK_KV, BLOCK_D, USE_TMA and not SAFE)
+                visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS,
+                                           KV_BOX, BLOCK_Q, SAFE)
+        p, alpha, m_new, l_i = online_softmax_step(s, visible if MASK_SCORES else None, m_i, l_i, qk_scale,
+                                                   SCALE_SIGN, MASK_SCORES)
+        v = load_key_box(keys, True, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                         USE_TMA and not SAFE)
         if SAFE:
             v, _ = finite_part(v)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
-        i_t, i_h, i_w = next_box(i_t, i_h, i_w, steps_h, steps_w)
+        i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
     return acc, m_i, l_i

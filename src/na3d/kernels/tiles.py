@@ -1,0 +1,178 @@
+"""Boxes: which positions a program owns, and the scan over boxes of the range it
+covers.
+
+A program owns one box of grid positions (queries for the forward and dQ, keys for
+dK/dV) and scans a range of the grid (:class:`Span`) in boxes of the other kind,
+row-major (:class:`BoxScan`). Box sizes are compile-time tuples ``(T, H, W)``.
+"""
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from .windows import queries_seeing, union_of_windows
+
+
+class Span(NamedTuple):
+    """A range of grid positions, ``[t0, t1) x [h0, h1) x [w0, w1)``."""
+    t0: tl.tensor
+    t1: tl.tensor
+    h0: tl.tensor
+    h1: tl.tensor
+    w0: tl.tensor
+    w1: tl.tensor
+
+
+class Box(NamedTuple):
+    """A program's own box: the coordinates of its positions (row-major inside the
+    box, clamped into the grid) and which of them lie inside the grid."""
+    t: tl.tensor
+    h: tl.tensor
+    w: tl.tensor
+    valid: tl.tensor
+
+
+class BoxScan(NamedTuple):
+    """A row-major scan over a :class:`Span` in boxes: its first corner, boxes per row
+    and per slab and in all, and the coordinates of a box's positions from its
+    corner (:func:`box_offsets`)."""
+    t0: tl.tensor
+    h0: tl.tensor
+    w0: tl.tensor
+    steps_h: tl.tensor
+    steps_w: tl.tensor
+    n_steps: tl.tensor
+    off_t: tl.tensor
+    off_h: tl.tensor
+    off_w: tl.tensor
+
+
+@triton.jit
+def box_of_program(tile, tiles_h, tiles_w, T, H, W,
+                   BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr, DILATED: tl.constexpr = False):
+    """The BOX_T x BOX_H x BOX_W box of grid positions that program ``tile`` owns
+    (tiles numbered row-major over the grid).
+
+    Returns the box's first corner ``(t0, h0, w0)``, the coordinates of its
+    positions (row-major inside the box) and which of them lie inside the grid.
+    Positions past the grid's end are replaced by the last one along that axis:
+    loads through them stay in bounds and their windows are non-empty; the caller
+    stores nothing for them.
+
+    ``DILATED``: the grid is a dilation group's sub-grid, tiled as the largest
+    group's (``groups.dilation_group``), so a box may start past this group's end
+    (groups differ in length by one). Such a program takes the group's last box
+    along that axis instead and marks none of its positions inside: its windows
+    are real ones, and it stores nothing.
+    """
+    t0 = (tile // (tiles_w * tiles_h)) * BOX_T
+    h0 = ((tile // tiles_w) % tiles_h) * BOX_H
+    w0 = (tile % tiles_w) * BOX_W
+    if DILATED:
+        last_t = ((T - 1) // BOX_T) * BOX_T
+        last_h = ((H - 1) // BOX_H) * BOX_H
+        last_w = ((W - 1) // BOX_W) * BOX_W
+        box_in_grid = (t0 <= last_t) & (h0 <= last_h) & (w0 <= last_w)
+        t0 = tl.minimum(t0, last_t)
+        h0 = tl.minimum(h0, last_h)
+        w0 = tl.minimum(w0, last_w)
+    r = tl.arange(0, BOX_T * BOX_H * BOX_W)
+    t = t0 + r // (BOX_H * BOX_W)
+    h = h0 + (r // BOX_W) % BOX_H
+    w = w0 + r % BOX_W
+    inside = (t < T) & (h < H) & (w < W)
+    if DILATED:
+        inside = inside & box_in_grid
+    return t0, h0, w0, tl.minimum(t, T - 1), tl.minimum(h, H - 1), tl.minimum(w, W - 1), inside
+
+
+@triton.jit
+def program_box(tile, tiling, nb, WINDOW_FLAGS: tl.constexpr, BOX: tl.constexpr, DILATED: tl.constexpr,
+                OWN_ARE_QUERIES: tl.constexpr):
+    """A program's own box (:class:`Box`, from :func:`box_of_program`; ``tiling``:
+    tiles along H and W) and the :class:`Span` its scan covers: the union of the
+    box's windows for a box of queries (``OWN_ARE_QUERIES``: the forward, dQ; one
+    box of keys, since window ends never decrease with the query index), the
+    queries that see a key of the box for a box of keys (dK/dV)."""
+    tl.static_assert(BOX[0] * BOX[1] * BOX[2] >= 16, "tl.dot needs boxes of at least 16 positions")
+    t0, h0, w0, t, h, w, valid = box_of_program(tile, tiling[0], tiling[1], nb.T, nb.H, nb.W, BOX[0], BOX[1], BOX[2],
+                                                DILATED)
+    if OWN_ARE_QUERIES:
+        s_t0, s_t1 = union_of_windows(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST,
+                                      WINDOW_FLAGS[0], WINDOW_FLAGS[3])
+        s_h0, s_h1 = union_of_windows(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH,
+                                      WINDOW_FLAGS[1], WINDOW_FLAGS[3])
+        s_w0, s_w1 = union_of_windows(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW,
+                                      WINDOW_FLAGS[2], WINDOW_FLAGS[3])
+    else:
+        s_t0, s_t1 = queries_seeing(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST,
+                                    WINDOW_FLAGS[0], WINDOW_FLAGS[3])
+        s_h0, s_h1 = queries_seeing(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH,
+                                    WINDOW_FLAGS[1], WINDOW_FLAGS[3])
+        s_w0, s_w1 = queries_seeing(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW,
+                                    WINDOW_FLAGS[2], WINDOW_FLAGS[3])
+    return Box(t, h, w, valid), Span(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)
+
+
+@triton.jit
+def box_offsets(BOX_T: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr):
+    """Coordinates of the positions of a BOX_T x BOX_H x BOX_W box, row-major, from
+    its first corner (constant divisions: shifts and masks)."""
+    c = tl.arange(0, BOX_T * BOX_H * BOX_W)
+    return c // (BOX_H * BOX_W), (c // BOX_W) % BOX_H, c % BOX_W
+
+
+@triton.jit
+def box_steps(span, BOX: tl.constexpr):
+    """Boxes of ``BOX`` per row and per slab of a scan of ``span``, and in all:
+    ``(steps_h, steps_w, n_steps)``."""
+    steps_h = tl.cdiv(span.h1 - span.h0, BOX[1])
+    steps_w = tl.cdiv(span.w1 - span.w0, BOX[2])
+    return steps_h, steps_w, tl.cdiv(span.t1 - span.t0, BOX[0]) * steps_h * steps_w
+
+
+@triton.jit
+def box_scan(span, BOX: tl.constexpr, steps=None):
+    """The :class:`BoxScan` of ``span`` in boxes of ``BOX`` (``steps``: its
+    :func:`box_steps`, if computed already). The last box along an axis may run past
+    the span: the caller clamps coordinates for its loads and masks the extra
+    positions."""
+    if steps is None:
+        steps = box_steps(span, BOX)
+    off_t, off_h, off_w = box_offsets(BOX[0], BOX[1], BOX[2])
+    return BoxScan(span.t0, span.h0, span.w0, steps[0], steps[1], steps[2], off_t, off_h, off_w)
+
+
+@triton.jit
+def box_at(scan, i_t, i_h, i_w, BOX: tl.constexpr):
+    """Box ``(i_t, i_h, i_w)`` of a :class:`BoxScan`: its corner ``(c_t, c_h, c_w)``
+    and the coordinates of its positions."""
+    c_t = scan.t0 + i_t * BOX[0]
+    c_h = scan.h0 + i_h * BOX[1]
+    c_w = scan.w0 + i_w * BOX[2]
+    return c_t, c_h, c_w, c_t + scan.off_t, c_h + scan.off_h, c_w + scan.off_w
+
+
+@triton.jit
+def first_box():
+    """Box indices ``(i_t, i_h, i_w)`` of a scan's first box (:func:`next_box` counts
+    on from them)."""
+    return tl.zeros([], tl.int32), tl.zeros([], tl.int32), tl.zeros([], tl.int32)
+
+
+@triton.jit
+def next_box(scan, i_t, i_h, i_w):
+    """One step of a :class:`BoxScan`: box indices ``(i_t, i_h, i_w)`` of the next box.
+
+    Counting with carries instead of dividing the step number: a division by a
+    run-time value costs ~20 instructions per thread, and there were three per step.
+    """
+    i_w += 1
+    wrap_w = i_w == scan.steps_w
+    i_w = tl.where(wrap_w, 0, i_w)
+    i_h = tl.where(wrap_w, i_h + 1, i_h)
+    wrap_h = i_h == scan.steps_h
+    i_h = tl.where(wrap_h, 0, i_h)
+    i_t = tl.where(wrap_h, i_t + 1, i_t)
+    return i_t, i_h, i_w
