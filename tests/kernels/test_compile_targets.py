@@ -51,6 +51,8 @@ def compile_for(kernel, target, constexprs, num_warps, num_stages, maxnreg=None)
     """Compile as a launch would: pointers and strides divisible by 16 (what Triton's
     launcher specializes on for real tensors), descriptors typed by their block, the
     table's register cap if it sets one."""
+    # Compile-time arguments left out take their defaults, as at a launch.
+    constexprs = dict({p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
