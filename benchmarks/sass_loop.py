@@ -61,39 +61,6 @@ def key_loops(sass: str):
     return instructions, loops
 
 
-def skipped_blocks(sass: str):
-    """Per key loop (in :func:`key_loops`' order), the instructions between a forward
-    branch inside it and its target, the longest such block (with ``SPLIT_FULL``: the
-    mask a full step skips)."""
-    instructions, labels, pending = [], {}, None
-    for line in sass.splitlines():
-        label = re.match(r"\s*\.L_x_(\d+):", line)
-        if label:
-            pending = label.group(1)
-            continue
-        m = ADDRESS.search(line)
-        if m:
-            address = int(m.group(1), 16)
-            instructions.append((address, line.split("*/", 1)[1].split(";")[0].strip()))
-            if pending is not None:
-                labels[pending], pending = address, None
-    result = []
-    for address, text in instructions:
-        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
-        if m and labels.get(m.group(1), address) < address:
-            start = labels[m.group(1)]
-            body = [(a, t) for a, t in instructions if start <= a <= address]
-            if not any("HGMMA" in t or "HMMA" in t for _, t in body) or any(t.startswith("EXIT") for _, t in body):
-                continue
-            longest = 0
-            for a, t in body:
-                b = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", t)
-                if b and a < labels.get(b.group(1), -1) <= address:
-                    longest = max(longest, sum(1 for x, _ in body if a < x < labels[b.group(1)]))
-            result.append(longest)
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=["forward", "dq", "dkdv"], default="forward")
@@ -112,8 +79,6 @@ def main() -> None:
     parser.add_argument("--dilation", type=int, nargs=3, default=[1, 1, 1], metavar=("T", "H", "W"),
                         help="NATTEN's dilation")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--split-full", action="store_true",
-                        help="SPLIT_FULL: full boxes skip the mask (also prints what a full step skips)")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -122,7 +87,7 @@ def main() -> None:
 
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
     tma = not args.no_tma
-    constexprs = dict(HEAD_DIM=args.head_dim, BLOCK_D=args.head_dim, SPLIT_FULL=args.split_full, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
+    constexprs = dict(HEAD_DIM=args.head_dim, BLOCK_D=args.head_dim, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
                       USE_TMA=tma, ASSUME_FINITE=False, REDO=False, GROUP=1,  # the first launch, with its check
                       **dict(zip(("DIL_T", "DIL_H", "DIL_W"), args.dilation)))
     if args.kernel == "dkdv":
@@ -152,7 +117,6 @@ def main() -> None:
     print(f"{args.kernel}: q_tile {args.q_tile} kv_tile {args.kv_tile} warps {args.warps} stages {args.stages} "
           f"maxnreg {args.maxnreg} tma {tma}: shared {kernel.metadata.shared} B, {registers} registers named")
     # Every key loop, in code order (a kernel variant may have more than one).
-    skipped = skipped_blocks(sass) if args.split_full else []
     for body in loops:
         opcodes = collections.Counter()
         for text in body:
@@ -161,8 +125,6 @@ def main() -> None:
                 opcodes[m.group(1)] += 1
         print(f"key loop: {len(body)} instructions per step and thread, {len(body) / scores:.1f} per score")
         print(", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
-        if args.split_full:
-            print(f"a full step skips {skipped.pop(0)} of them (the longest forward branch inside the loop)")
     body = max(loops, key=len)
     if args.dump:
         print("\n".join(re.sub(r"\s+", " ", t) for t in body))

@@ -40,10 +40,7 @@ class ForwardConfig:
     ``fixed_mask``: along axes where the scan never moves (``launch.mask_modes``),
     compute the window mask once per program and let the QK^T product add it (the
     other axes then select once per score, from window bits where they fit); off
-    where holding it costs more than it saves (the 1-warp boxes of short windows).
-    ``split_full``: key boxes that every query of the program sees whole skip the
-    mask's arithmetic (``kernels.tiles.full_key_steps``), at the cost of a test per
-    step; the same results, bit for bit."""
+    where holding it costs more than it saves (the 1-warp boxes of short windows)."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
@@ -52,7 +49,6 @@ class ForwardConfig:
     tma: bool = True
     maxnreg: Optional[int] = None
     fixed_mask: bool = True
-    split_full: bool = False
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -88,9 +84,7 @@ class BackwardConfig:
     ``torch.use_deterministic_algorithms(True)`` overrides it. ``tma``: as in
     :class:`ForwardConfig`, for the boxes each kernel scans; ``dq_maxnreg`` and
     ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``;
-    ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel; ``split_full``:
-    as in :class:`ForwardConfig`, for the dQ and dK/dV kernels (not the one-pass
-    backward).
+    ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -106,7 +100,6 @@ class BackwardConfig:
     dq_maxnreg: Optional[int] = None
     dkdv_maxnreg: Optional[int] = None
     fixed_mask: bool = True
-    split_full: bool = False
 
     @property
     def dkdv_warps(self) -> int:
@@ -202,7 +195,7 @@ def forward_config(
         if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
                                          option.get("tma", True), option.get("maxnreg"),
-                                         bool(option.get("fixed_mask", True)), bool(option.get("split_full", False))))
+                                         bool(option.get("fixed_mask", True))))
     return best[1]
 
 
@@ -358,8 +351,7 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
     bwd = entry.get("backward")
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
-                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask,
-                              split_full=fwd.split_full)
+                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask)
     return fit_backward(bwd, shape, kernel_size, fwd.bucket)
 
 
@@ -368,8 +360,7 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
-    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
-    ``"split_full"``.
+    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``.
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
     k_box = fit_tile(bwd["dkdv"][0], shape)
@@ -377,4 +368,4 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
-                          bool(bwd.get("fixed_mask", True)), bool(bwd.get("split_full", False)))
+                          bool(bwd.get("fixed_mask", True)))

@@ -138,8 +138,7 @@ def na3d_forward(
         **dilation_constexprs(dilation),
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask,
                      group_grid((T, H, W), dilation),
-                     block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)),
-        SPLIT_FULL=cfg.split_full)
+                     block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)))
     launch_and_redo(na3d_fwd_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
                     cfg.num_stages, cfg.maxnreg, assume_finite)
     return out, lse
@@ -373,7 +372,7 @@ def na3d_backward(
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
                      group_grid((T, H, W), dilation),
                      block_sparse_axes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, (T, H, W),
-                                       dilation)), SPLIT_FULL=cfg.split_full, **common)
+                                       dilation)), **common)
     launch_and_redo(na3d_bwd_dq_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
                     cfg.num_stages, cfg.dq_maxnreg, assume_finite)
 
@@ -409,8 +408,7 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
         cfg.dkdv_k_tile, cfg.dkdv_q_tile, (KT, KH, KW), causal, (ST, SH, SW), (T, H, W), dilation, own="keys"))
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-                      **{f"MASK_{axis}": MASK_NONE if full else MASK_PER_STEP for axis in "THW"},
-                      SPLIT_FULL=cfg.split_full and not full and not constexprs["ACCUMULATE_DQ"])
+                      **{f"MASK_{axis}": MASK_NONE if full else MASK_PER_STEP for axis in "THW"})
     launch_and_redo(kernel, (n_tiles, kv_heads, B), args, constexprs, flags, cfg.dkdv_warps, cfg.dkdv_stages,
                     cfg.dkdv_maxnreg, assume_finite)
 

@@ -39,8 +39,7 @@ from .masks import key_scan_masks, key_scan_visible, MASK_NONE, no_mask, step_ma
 from .memory import head_base, head_columns, key_value_bases, KeyBoxes, load_rows, position_offsets
 from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, nonfinite_rows
 from .programs import query_program, run_programs, store_query_tile
-from .tiles import (box_at, box_of_program, box_scan, box_steps, first_box, full_key_steps, full_step, next_box,
-                    program_box, query_box_sees_keys)
+from .tiles import box_at, box_of_program, box_scan, box_steps, first_box, next_box, program_box
 from .windows import Neighborhood, sees
 
 LOG2_E = tl.constexpr(constants.LOG2_E)
@@ -100,7 +99,7 @@ def na3d_bwd_dq_kernel(
     CAUSAL_T: tl.constexpr, CAUSAL_H: tl.constexpr, CAUSAL_W: tl.constexpr, STRIDED: tl.constexpr,
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr, SPLIT_FULL: tl.constexpr = False,
+    ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
     (``GROUP``: query heads per key/value head). One program: dQ of a Q_T x Q_H x Q_W
@@ -109,15 +108,15 @@ def na3d_bwd_dq_kernel(
     runs next. ``USE_TMA``: key and value boxes through tensor descriptors, as in
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
     picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
-    score scales to -inf). ``FLAGS``, ``REDO``, ``DIL_T/H/W``, ``SPLIT_FULL``: as in the
-    forward kernel (``STATS`` stays in full-grid order).
+    score scales to -inf). ``FLAGS``, ``REDO``, ``DIL_T/H/W``: as in the forward
+    kernel (``STATS`` stays in full-grid order).
 
     """
     run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
                            (q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides),
                            T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                            (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                           (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA, SPLIT_FULL),
+                           (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO)
 
 
@@ -127,7 +126,7 @@ def dq_tile(
     tile, head, batch, heads, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, strides, T, H, W, window, tiling,
     qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
     WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
     ASSUME_FINITE: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
@@ -156,28 +155,25 @@ def dq_tile(
     keys = KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
                     descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
     dq = dq_scan(prog.q, do, lse2, delta, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
-                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SPLIT_FULL, SAFE)
+                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SAFE)
     return store_query_tile(DQ, dq_strides, batch, head, box, dq, prog.cols, SAFE, ASSUME_FINITE, scale)
 
 
 @triton.jit
 def dq_scan(q, do, lse2, delta, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr,
-            USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr):
+            USE_TMA: tl.constexpr, SAFE: tl.constexpr):
     """The dQ kernel's scan of the union of the windows of ``box`` (``union``) in key
     boxes read from ``keys`` (a ``memory.KeyBoxes``): dQ unscaled. ``SAFE``: the safe
     loop (``kernels.nonfinite``): masks by selection (window bits where they fit),
     ``dS`` too (a non-finite ``dP`` of a hidden key stays out), and multiplies ``dS``
-    by the keys' finite part; not pipelined. ``SPLIT_FULL``: as the forward's scan."""
+    by the keys' finite part; not pipelined."""
     BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
     scan = box_scan(union, KV_BOX)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     NO_MASK: tl.constexpr = no_mask(MASKS[0], MASKS[1], MASKS[2], SAFE)
     ON_PRODUCT: tl.constexpr = MASKS[0] + MASKS[1] + MASKS[2] > 0 and not SAFE and not NO_MASK
-    SPLIT: tl.constexpr = SPLIT_FULL and not SAFE and not NO_MASK
     masks = key_scan_masks(box, nb, WINDOW_FLAGS, scan, MASKS, KV_BOX, BLOCK_Q, ON_PRODUCT, SAFE, float("-inf"))
-    if SPLIT:
-        full_steps = full_key_steps(box, scan, nb, WINDOW_FLAGS, KV_BOX)
     i_t, i_h, i_w = first_box()
     for _ in tl.range(scan.n_steps, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
@@ -195,21 +191,9 @@ def dq_scan(q, do, lse2, delta, keys, box, nb, union, qk_scale, cols, HEAD_DIM: 
             k = load_rows(keys.k_base, keys.k_strides, pt, ph, pw, cols)
             v = load_rows(keys.v_base, keys.v_strides, pt, ph, pw, cols)
         if ON_PRODUCT:
-            if SPLIT:
-                if full_step(full_steps, i_t, i_h, i_w):
-                    bias = tl.zeros([BLOCK_Q, BLOCK_KV], tl.float32)
-                else:
-                    bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX)
-            else:
-                bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX)
+            bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        elif SPLIT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            p = tl.math.exp2(s * qk_scale - lse2[:, None])
-            if not full_step(full_steps, i_t, i_h, i_w):
-                p = tl.where(key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS,
-                                              KV_BOX, BLOCK_Q, SAFE), p, 0.0)
         elif NO_MASK:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
@@ -239,7 +223,7 @@ def na3d_bwd_dkdv_kernel(
     ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr, SPLIT_FULL: tl.constexpr = False,
+    ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr,
 ):
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
     K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
@@ -273,17 +257,13 @@ def na3d_bwd_dkdv_kernel(
     launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
-
-    ``SPLIT_FULL``: the query boxes inside the scanned range whose every query sees
-    every key of the program's box (``kernels.tiles.query_box_sees_keys``) skip the
-    mask's arithmetic (not in the fused backward).
     """
     FULL_PAIRS: tl.constexpr = MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE
     run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
                              (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
                              T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                              (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ, FULL_PAIRS, SPLIT_FULL),
+                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ, FULL_PAIRS),
                  FLAGS, n_tiles, heads, n_programs, GROUP, True, ASSUME_FINITE, REDO)
 
 
@@ -294,7 +274,7 @@ def dkdv_tile(
     T, H, W, window, tiling, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_BOX: tl.constexpr,
     Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
     USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr,
-    SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
+    SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
@@ -341,7 +321,7 @@ def dkdv_tile(
     dk, dv = dkdv_scan(
         dk, dv, k, v, keys, QueryBoxes(Q_DESC, DO_DESC, STATS_DESC, q_base, do_base, q_strides, do_strides, STATS),
         DQ_ACC, DQ_DESC, batch, q_head, heads, batch.to(tl.int64), nb, span, place, qk_scale, cols, HEAD_DIM, BLOCK_D,
-        BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP, ADD_DQ, USE_TMA, BULK_ADD_DQ, FULL_PAIRS, SPLIT_FULL, SAFE)
+        BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP, ADD_DQ, USE_TMA, BULK_ADD_DQ, FULL_PAIRS, SAFE)
     if SAFE:
         in_tile = keys.valid[:, None] & cols.ok[None, :]
         marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + cols.d[None, :], mask=in_tile,
@@ -371,38 +351,10 @@ def dkdv_tile(
 
 
 @triton.jit
-def scanned_queries_visible(qt, qh, qw, q_in, keys, span, nb, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr,
-                            FROM_DESC: tl.constexpr):
-    """Boolean [keys, queries] of a dK/dV step: the program's ``keys`` (a ``tiles.Box``)
-    against the step's queries ``(qt, qh, qw)``, read through descriptors
-    (``FROM_DESC``) or pointers (then ``q_in``: which queries lie inside ``span``;
-    the others repeat its last one, and a duplicate would count twice)."""
-    if FROM_DESC:
-        visible = sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
-        if DILATION[0] > 1 or DILATION[1] > 1:
-            # The descriptors fold group gt into the H axis and gh into the W axis
-            # (launch.box_descriptor): there a box past its group's end reads the
-            # next group's positions, not zeros, so those queries are masked out.
-            # (Past the T axis' end, and past W's when only W is dilated, the
-            # reads are zeros, as without dilation.)
-            if DILATION[0] > 1 and DILATION[1] > 1:
-                in_group = (qh < span.h1) & (qw < span.w1)
-            elif DILATION[0] > 1:
-                in_group = qh < span.h1
-            else:
-                in_group = qw < span.w1
-            visible &= in_group[None, :]
-    else:
-        visible = q_in[None, :] & sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
-    return visible
-
-
-@triton.jit
 def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, heads, bh, nb, span, place, qk_scale,
               cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, Q_BOX: tl.constexpr,
               WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
-              USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr, SPLIT_FULL: tl.constexpr,
-              SAFE: tl.constexpr):
+              USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr, SAFE: tl.constexpr):
     """The dK/dV kernel's scan over ``span``, the query boxes that see its keys
     (``keys``, a ``tiles.Box``; ``k``, ``v`` theirs), of the ``GROUP`` query heads from
     ``first_head`` on, read from ``queries`` (:class:`QueryBoxes`): ``(dk, dv)`` plus
@@ -417,8 +369,7 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
     of every box scanned sees every key of the program's box, and no box runs past
     the scanned range (the launcher's ``MASK_NONE`` on all axes): the fast loop masks
     nothing (the fused backward's keeps its mask: keys past the grid must not reach
-    dQ). ``SPLIT_FULL``: the fast loop masks only the steps whose query box does not
-    see the keys whole (:func:`tiles.query_box_sees_keys`), not in the fused backward.
+    dQ).
 
     With ``ACCUMULATE_DQ`` (the fused backward, fast loop only) each step's dQ
     terms go out at once (into ``DQ_ACC``, through ``DQ_DESC`` with ``BULK_DQ``) and
@@ -428,7 +379,6 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
     non-finite element)."""
     BLOCK_M: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     NO_MASK: tl.constexpr = FULL_PAIRS and not SAFE and not ACCUMULATE_DQ
-    SPLIT: tl.constexpr = SPLIT_FULL and not NO_MASK and not SAFE and not ACCUMULATE_DQ
     # (The scan's steps before the rest of the set-up: this order of the code is the
     # one whose compiled kernels were measured.)
     steps = box_steps(span, Q_BOX)
@@ -440,8 +390,6 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
     i_t, i_h, i_w = first_box()
     for step in tl.range(scan.n_steps * GROUP, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, qt, qh, qw = box_at(scan, i_t, i_h, i_w, Q_BOX)
-        if SPLIT:
-            full = query_box_sees_keys(c_t, c_h, c_w, span, keys, nb, WINDOW_FLAGS, Q_BOX)
         head = first_head + step % GROUP
         hd = head.to(tl.int64)
         if USE_TMA and not SAFE:
@@ -460,8 +408,21 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
             lse2_pad, delta_pad = tl.split(stats)
             lse2, _ = tl.split(lse2_pad)
             delta, _ = tl.split(delta_pad)
-            if not NO_MASK and not SPLIT:
-                visible = scanned_queries_visible(qt, qh, qw, None, keys, span, nb, WINDOW_FLAGS, DILATION, True)
+            if not NO_MASK:
+                visible = sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
+            if (DILATION[0] > 1 or DILATION[1] > 1) and not NO_MASK:
+                # The descriptors fold group gt into the H axis and gh into the W axis
+                # (launch.box_descriptor): there a box past its group's end reads the
+                # next group's positions, not zeros, so those queries are masked out.
+                # (Past the T axis' end, and past W's when only W is dilated, the
+                # reads are zeros, as without dilation.)
+                if DILATION[0] > 1 and DILATION[1] > 1:
+                    in_group = (qh < span.h1) & (qw < span.w1)
+                elif DILATION[0] > 1:
+                    in_group = qh < span.h1
+                else:
+                    in_group = qw < span.w1
+                visible &= in_group[None, :]
             if ACCUMULATE_DQ and not BULK_DQ:
                 q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
                 rows = position_rows(bh, hd, heads, qt, qh, qw, place, DILATION)
@@ -483,19 +444,14 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
             stats = queries.STATS + stats_index(batch, head, heads, qt, qh, qw, place, DILATION)
             lse2 = tl.load(stats)
             delta = tl.load(stats + 1)
-            if not NO_MASK and not SPLIT:
-                visible = scanned_queries_visible(qt, qh, qw, q_in, keys, span, nb, WINDOW_FLAGS, DILATION, False)
+            if not NO_MASK:
+                visible = q_in[None, :] & sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
         if ACCUMULATE_DQ:
             # Keys past the grid's end (repeats of the last one) must not reach dQ.
             visible = visible & keys.valid[:, None]
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
         if NO_MASK:
             p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-        elif SPLIT:
-            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-            if not full:
-                p_t = tl.where(scanned_queries_visible(qt, qh, qw, None if USE_TMA else q_in, keys, span, nb,
-                                                       WINDOW_FLAGS, DILATION, USE_TMA), p_t, 0.0)
         else:
             p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         if SAFE:

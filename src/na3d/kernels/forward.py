@@ -13,7 +13,7 @@ from .memory import head_base, key_value_bases, KeyBoxes, load_key_box, position
 from .nonfinite import finite_part, mark_reached
 from .programs import query_program, run_programs, store_query_tile
 from .softmax import online_softmax_step
-from .tiles import box_at, box_scan, first_box, full_key_steps, full_step, next_box
+from .tiles import box_at, box_scan, first_box, next_box
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -26,7 +26,7 @@ def na3d_fwd_kernel(
     RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
     DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, ASSUME_FINITE: tl.constexpr,
-    REDO: tl.constexpr, SPLIT_FULL: tl.constexpr = False,
+    REDO: tl.constexpr,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -74,16 +74,12 @@ def na3d_fwd_kernel(
     launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
-
-    ``SPLIT_FULL``: the key boxes that every query of the program sees whole
-    (``kernels.tiles.full_key_steps``) skip the mask's arithmetic; the others are
-    masked as above. Same results, bit for bit.
     """
     run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, (q_strides, k_strides, v_strides, o_strides),
                                 T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, HEAD_DIM, BLOCK_D,
                                 (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                                 (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, RETURN_LSE, SCALE_SIGN,
-                                USE_TMA, SPLIT_FULL),
+                                USE_TMA),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO)
 
 
@@ -92,8 +88,8 @@ def forward_tile(
     tile, head, batch, heads, Q, K, V, O, LSE, K_DESC, V_DESC, strides, T, H, W, window, tiling, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
     WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr,
-    SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
+    ASSUME_FINITE: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
@@ -116,7 +112,7 @@ def forward_tile(
     keys = KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
                     descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
     acc, m_i, l_i = forward_scan(prog.q, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
-                                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SPLIT_FULL, SAFE)
+                                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SAFE)
     nonfinite = store_query_tile(O, o_strides, batch, head, box, acc / l_i[:, None], prog.cols, SAFE, ASSUME_FINITE)
     if RETURN_LSE:
         lse_rows = position_rows(batch, head, heads, box.t, box.h, box.w, prog.place, DILATION)
@@ -129,14 +125,13 @@ def forward_tile(
 @triton.jit
 def forward_scan(q, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr,
-                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr):
+                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr):
     """The scan of one program's union of windows (``union``, a ``tiles.Span``) in
     key boxes read from ``keys`` (a ``memory.KeyBoxes``), for the queries ``q`` of
     ``box``: ``(acc, m, l)``, the unnormalized output, row maximum and sum (log2
     domain). ``SAFE``: the safe loop (``kernels.nonfinite``): masks by selection,
     multiplies by the values' finite part; not pipelined, so that it adds no shared
-    memory. ``SPLIT_FULL``: the steps whose keys every query sees are not masked
-    (the fast loop; a zero scale keeps the plain mask)."""
+    memory."""
     BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
     scan = box_scan(union, KV_BOX)
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -150,36 +145,22 @@ def forward_scan(q, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr
     NO_MASK: tl.constexpr = no_mask(MASKS[0], MASKS[1], MASKS[2], SAFE)
     ON_PRODUCT: tl.constexpr = (MASKS[0] + MASKS[1] + MASKS[2] > 0) and SCALE_SIGN != 0 and not SAFE and not NO_MASK
     MASK_SCORES: tl.constexpr = not ON_PRODUCT and not NO_MASK
-    SPLIT: tl.constexpr = SPLIT_FULL and SCALE_SIGN != 0 and not SAFE and not NO_MASK
     masks = key_scan_masks(box, nb, WINDOW_FLAGS, scan, MASKS, KV_BOX, BLOCK_Q, ON_PRODUCT, SAFE, MASKED)
-    if SPLIT:
-        full_steps = full_key_steps(box, scan, nb, WINDOW_FLAGS, KV_BOX)
     i_t, i_h, i_w = first_box()
     for _ in tl.range(scan.n_steps, num_stages=1 if SAFE else None):
         c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
         k = load_key_box(keys, False, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
                          USE_TMA and not SAFE)
         if ON_PRODUCT:
-            if SPLIT:
-                if full_step(full_steps, i_t, i_h, i_w):
-                    bias = tl.zeros([BLOCK_Q, BLOCK_KV], tl.float32)
-                else:
-                    bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX, MASKED)
-            else:
-                bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX, MASKED)
+            bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX, MASKED)
             s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if MASK_SCORES and SPLIT:
-                # (masked here, as online_softmax_step would: MASKED has the scale's sign)
-                if not full_step(full_steps, i_t, i_h, i_w):
-                    s = tl.where(key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS,
-                                                  MASKS, KV_BOX, BLOCK_Q, SAFE), s, MASKED)
-            elif MASK_SCORES:
+            if MASK_SCORES:
                 visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS,
                                            KV_BOX, BLOCK_Q, SAFE)
-        p, alpha, m_new, l_i = online_softmax_step(s, visible if MASK_SCORES and not SPLIT else None, m_i, l_i,
-                                                   qk_scale, SCALE_SIGN, MASK_SCORES and not SPLIT)
+        p, alpha, m_new, l_i = online_softmax_step(s, visible if MASK_SCORES else None, m_i, l_i, qk_scale,
+                                                   SCALE_SIGN, MASK_SCORES)
         v = load_key_box(keys, True, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
                          USE_TMA and not SAFE)
         if SAFE:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .windows import queries_seeing, seen_by_all, union_of_windows
+from .windows import queries_seeing, union_of_windows
 
 
 class Span(NamedTuple):
@@ -26,14 +26,11 @@ class Span(NamedTuple):
 
 class Box(NamedTuple):
     """A program's own box: the coordinates of its positions (row-major inside the
-    box, clamped into the grid), which of them lie inside the grid, and per axis
-    (t, h, w) its first position and its last one inside the grid."""
+    box, clamped into the grid) and which of them lie inside the grid."""
     t: tl.tensor
     h: tl.tensor
     w: tl.tensor
     valid: tl.tensor
-    first: tl.tensor
-    last: tl.tensor
 
 
 class BoxScan(NamedTuple):
@@ -101,22 +98,21 @@ def program_box(tile, tiling, nb, WINDOW_FLAGS: tl.constexpr, BOX: tl.constexpr,
     tl.static_assert(BOX[0] * BOX[1] * BOX[2] >= 16, "tl.dot needs boxes of at least 16 positions")
     t0, h0, w0, t, h, w, valid = box_of_program(tile, tiling[0], tiling[1], nb.T, nb.H, nb.W, BOX[0], BOX[1], BOX[2],
                                                 DILATED)
-    last_t = tl.minimum(t0 + BOX[0], nb.T) - 1
     if OWN_ARE_QUERIES:
-        s_t0, s_t1 = union_of_windows(t0, last_t, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3])
+        s_t0, s_t1 = union_of_windows(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST,
+                                      WINDOW_FLAGS[0], WINDOW_FLAGS[3])
+        s_h0, s_h1 = union_of_windows(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH,
+                                      WINDOW_FLAGS[1], WINDOW_FLAGS[3])
+        s_w0, s_w1 = union_of_windows(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW,
+                                      WINDOW_FLAGS[2], WINDOW_FLAGS[3])
     else:
-        s_t0, s_t1 = queries_seeing(t0, last_t, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3])
-    last_h = tl.minimum(h0 + BOX[1], nb.H) - 1
-    if OWN_ARE_QUERIES:
-        s_h0, s_h1 = union_of_windows(h0, last_h, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3])
-    else:
-        s_h0, s_h1 = queries_seeing(h0, last_h, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3])
-    last_w = tl.minimum(w0 + BOX[2], nb.W) - 1
-    if OWN_ARE_QUERIES:
-        s_w0, s_w1 = union_of_windows(w0, last_w, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3])
-    else:
-        s_w0, s_w1 = queries_seeing(w0, last_w, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3])
-    return Box(t, h, w, valid, (t0, h0, w0), (last_t, last_h, last_w)), Span(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)
+        s_t0, s_t1 = queries_seeing(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST,
+                                    WINDOW_FLAGS[0], WINDOW_FLAGS[3])
+        s_h0, s_h1 = queries_seeing(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH,
+                                    WINDOW_FLAGS[1], WINDOW_FLAGS[3])
+        s_w0, s_w1 = queries_seeing(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW,
+                                    WINDOW_FLAGS[2], WINDOW_FLAGS[3])
+    return Box(t, h, w, valid), Span(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)
 
 
 @triton.jit
@@ -180,47 +176,3 @@ def next_box(scan, i_t, i_h, i_w):
     i_h = tl.where(wrap_h, 0, i_h)
     i_t = tl.where(wrap_h, i_t + 1, i_t)
     return i_t, i_h, i_w
-
-
-# Full boxes. Where every query of a box of queries sees every key of a box of keys,
-# their product needs no mask; a scan that knows which of its steps are such boxes
-# (``SPLIT_FULL``, a table's choice) skips the mask's arithmetic there and masks the
-# others as before. The steps are decided by scalar tests, the same in every thread.
-
-
-@triton.jit
-def full_key_steps(box, scan, nb, WINDOW_FLAGS: tl.constexpr, KV_BOX: tl.constexpr):
-    """For a box of queries (``box``) scanning key boxes (``scan``): per axis, the steps
-    ``[f0, f1)`` whose keys every query of the box sees, as ``(ft0, ft1, fh0, fh1,
-    fw0, fw1)`` (:func:`full_step` tests a step)."""
-    a, b = seen_by_all(box.first[0], box.last[0], nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3])
-    ft0, ft1 = tl.cdiv(a - scan.t0, KV_BOX[0]), (b - scan.t0) // KV_BOX[0]
-    a, b = seen_by_all(box.first[1], box.last[1], nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3])
-    fh0, fh1 = tl.cdiv(a - scan.h0, KV_BOX[1]), (b - scan.h0) // KV_BOX[1]
-    a, b = seen_by_all(box.first[2], box.last[2], nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3])
-    fw0, fw1 = tl.cdiv(a - scan.w0, KV_BOX[2]), (b - scan.w0) // KV_BOX[2]
-    # (a scan starts at its first query's window: a - start >= 0 and b - start > 0)
-    return ft0, ft1, fh0, fh1, fw0, fw1
-
-
-@triton.jit
-def full_step(steps, i_t, i_h, i_w):
-    """Whether step ``(i_t, i_h, i_w)`` lies in the full ``steps`` of :func:`full_key_steps`."""
-    return ((i_t >= steps[0]) & (i_t < steps[1]) & (i_h >= steps[2]) & (i_h < steps[3]) & (i_w >= steps[4])
-            & (i_w < steps[5]))
-
-
-@triton.jit
-def query_box_sees_keys(c_t, c_h, c_w, span, keys, nb, WINDOW_FLAGS: tl.constexpr, Q_BOX: tl.constexpr):
-    """For a box of keys (``keys``) scanning query boxes of ``span``: whether every
-    position of the query box at corner ``(c_t, c_h, c_w)`` is inside the span and sees
-    every key of the box."""
-    a, b = seen_by_all(c_t, tl.minimum(c_t + Q_BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0],
-                       WINDOW_FLAGS[3])
-    full = (c_t + Q_BOX[0] <= span.t1) & (a <= keys.first[0]) & (b > keys.last[0])
-    a, b = seen_by_all(c_h, tl.minimum(c_h + Q_BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1],
-                       WINDOW_FLAGS[3])
-    full = full & (c_h + Q_BOX[1] <= span.h1) & (a <= keys.first[1]) & (b > keys.last[1])
-    a, b = seen_by_all(c_w, tl.minimum(c_w + Q_BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2],
-                       WINDOW_FLAGS[3])
-    return full & (c_w + Q_BOX[2] <= span.w1) & (a <= keys.first[2]) & (b > keys.last[2])
