@@ -36,9 +36,9 @@ from .. import constants
 
 from .groups import descriptor_origin, dilation_group, grid_position, Place, position_rows
 from .masks import key_scan_masks, key_scan_visible, MASK_NONE, no_mask, step_mask_bias
-from .memory import head_base, head_columns, key_value_bases, KeyBoxes, load_rows, position_offsets
+from .memory import head_base, head_columns, load_rows, position_offsets
 from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, nonfinite_rows
-from .programs import query_program, run_programs, store_query_tile
+from .programs import program_keys, query_program, run_programs, store_query_tile
 from .tiles import box_at, box_of_program, box_scan, box_steps, first_box, next_box, program_box
 from .windows import Neighborhood, sees
 
@@ -148,12 +148,8 @@ def dq_tile(
                                        box.t.to(tl.int64), box.h.to(tl.int64), box.w.to(tl.int64), box.valid,
                                        prog.place, prog.cols, HAS_DLSE, not SAFE, DILATION)
 
-    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
-    if SAFE:
-        mark_reached(head_base(DQ, dq_strides, batch, head), position_offsets(dq_strides, box.t, box.h, box.w), box,
-                     k_base, k_strides, prog.nb, WINDOW_FLAGS, prog.union, HEAD_DIM, BLOCK_Q, KV_BOX, 1, True)
-    keys = KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
-                    descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
+    keys = program_keys(prog, batch, head, heads, K, V, K_DESC, V_DESC, k_strides, v_strides, DQ, dq_strides,
+                        HEAD_DIM, BLOCK_Q, KV_BOX, WINDOW_FLAGS, DILATION, GROUP, False, SAFE)
     dq = dq_scan(prog.q, do, lse2, delta, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
                  BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SAFE)
     return store_query_tile(DQ, dq_strides, batch, head, box, dq, prog.cols, SAFE, ASSUME_FINITE, scale)

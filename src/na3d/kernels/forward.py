@@ -7,11 +7,11 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
-from .groups import descriptor_origin, position_rows
+from .groups import position_rows
 from .masks import key_scan_masks, key_scan_visible, no_mask, step_mask_bias
-from .memory import head_base, key_value_bases, KeyBoxes, load_key_box, position_offsets
-from .nonfinite import finite_part, mark_reached
-from .programs import query_program, run_programs, store_query_tile
+from .memory import load_key_box
+from .nonfinite import finite_part
+from .programs import program_keys, query_program, run_programs, store_query_tile
 from .softmax import online_softmax_step
 from .tiles import box_at, box_scan, first_box, next_box
 
@@ -105,12 +105,8 @@ def forward_tile(
     _, k_strides, v_strides, o_strides = strides
     box = prog.box
     BLOCK_Q: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
-    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
-    if SAFE:
-        mark_reached(head_base(O, o_strides, batch, head), position_offsets(o_strides, box.t, box.h, box.w), box,
-                     v_base, v_strides, prog.nb, WINDOW_FLAGS, prog.union, HEAD_DIM, BLOCK_Q, KV_BOX, 1, True)
-    keys = KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
-                    descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
+    keys = program_keys(prog, batch, head, heads, K, V, K_DESC, V_DESC, k_strides, v_strides, O, o_strides, HEAD_DIM,
+                        BLOCK_Q, KV_BOX, WINDOW_FLAGS, DILATION, GROUP, True, SAFE)
     acc, m_i, l_i = forward_scan(prog.q, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
                                  BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SAFE)
     nonfinite = store_query_tile(O, o_strides, batch, head, box, acc / l_i[:, None], prog.cols, SAFE, ASSUME_FINITE)

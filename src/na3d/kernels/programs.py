@@ -19,9 +19,9 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .groups import dilation_group
-from .memory import head_base, head_columns, load_rows, position_offsets
-from .nonfinite import FLAG_BLOCK, has_nonfinite
+from .groups import descriptor_origin, dilation_group
+from .memory import head_base, head_columns, key_value_bases, KeyBoxes, load_rows, position_offsets
+from .nonfinite import FLAG_BLOCK, has_nonfinite, mark_reached
 from .tiles import program_box
 from .windows import Neighborhood
 
@@ -110,6 +110,24 @@ def query_program(tile, batch, head, tensors, strides, T, H, W, window, tiling, 
     cols = head_columns(HEAD_DIM, BLOCK_D)
     q = load_rows(head_base(tensors[0], strides[0], batch, head), strides[0], box.t, box.h, box.w, cols)
     return QueryProgram(nb, place, tensors, box, union, cols, q)
+
+
+@triton.jit
+def program_keys(prog, batch, head, heads, K, V, K_DESC, V_DESC, k_strides, v_strides, OUT, out_strides,
+                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr,
+                 DILATION: tl.constexpr, GROUP: tl.constexpr, MARK_FROM_VALUES: tl.constexpr, SAFE: tl.constexpr):
+    """Where a :class:`QueryProgram` of query head ``head`` reads its keys and values
+    (``memory.KeyBoxes``; K, V moved to its dilation group). ``SAFE``: first the marks
+    of ``nonfinite.mark_reached`` in its result ``OUT``, from the values
+    (``MARK_FROM_VALUES``: the forward's output) or the keys (dQ)."""
+    kv_head, k_base, v_base = key_value_bases(K, V, k_strides, v_strides, batch, head, GROUP)
+    if SAFE:
+        box = prog.box
+        mark_reached(head_base(OUT, out_strides, batch, head), position_offsets(out_strides, box.t, box.h, box.w),
+                     box, v_base if MARK_FROM_VALUES else k_base, v_strides if MARK_FROM_VALUES else k_strides,
+                     prog.nb, WINDOW_FLAGS, prog.union, HEAD_DIM, BLOCK_Q, KV_BOX, 1, True)
+    return KeyBoxes(K_DESC, V_DESC, k_base, v_base, k_strides, v_strides, batch, kv_head,
+                    descriptor_origin(prog.place, DILATION), (heads // GROUP) * HEAD_DIM)
 
 
 @triton.jit

@@ -88,6 +88,17 @@ def box_of_program(tile, tiles_h, tiles_w, T, H, W,
 
 
 @triton.jit
+def scanned_range(first, last, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr,
+                  OWN_ARE_QUERIES: tl.constexpr):
+    """Along one axis, the range ``[start, stop)`` that a program owning positions
+    ``first..last`` scans: the union of their windows (``OWN_ARE_QUERIES``) or the
+    queries that see one of them."""
+    if OWN_ARE_QUERIES:
+        return union_of_windows(first, last, length, kernel_size, stride, CAUSAL, STRIDED)
+    return queries_seeing(first, last, length, kernel_size, stride, CAUSAL, STRIDED)
+
+
+@triton.jit
 def program_box(tile, tiling, nb, WINDOW_FLAGS: tl.constexpr, BOX: tl.constexpr, DILATED: tl.constexpr,
                 OWN_ARE_QUERIES: tl.constexpr):
     """A program's own box (:class:`Box`, from :func:`box_of_program`; ``tiling``:
@@ -98,20 +109,12 @@ def program_box(tile, tiling, nb, WINDOW_FLAGS: tl.constexpr, BOX: tl.constexpr,
     tl.static_assert(BOX[0] * BOX[1] * BOX[2] >= 16, "tl.dot needs boxes of at least 16 positions")
     t0, h0, w0, t, h, w, valid = box_of_program(tile, tiling[0], tiling[1], nb.T, nb.H, nb.W, BOX[0], BOX[1], BOX[2],
                                                 DILATED)
-    if OWN_ARE_QUERIES:
-        s_t0, s_t1 = union_of_windows(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST,
-                                      WINDOW_FLAGS[0], WINDOW_FLAGS[3])
-        s_h0, s_h1 = union_of_windows(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH,
-                                      WINDOW_FLAGS[1], WINDOW_FLAGS[3])
-        s_w0, s_w1 = union_of_windows(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW,
-                                      WINDOW_FLAGS[2], WINDOW_FLAGS[3])
-    else:
-        s_t0, s_t1 = queries_seeing(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST,
-                                    WINDOW_FLAGS[0], WINDOW_FLAGS[3])
-        s_h0, s_h1 = queries_seeing(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH,
-                                    WINDOW_FLAGS[1], WINDOW_FLAGS[3])
-        s_w0, s_w1 = queries_seeing(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW,
-                                    WINDOW_FLAGS[2], WINDOW_FLAGS[3])
+    s_t0, s_t1 = scanned_range(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0],
+                               WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    s_h0, s_h1 = scanned_range(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1],
+                               WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    s_w0, s_w1 = scanned_range(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2],
+                               WINDOW_FLAGS[3], OWN_ARE_QUERIES)
     return Box(t, h, w, valid), Span(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)
 
 
