@@ -6,9 +6,9 @@ removes instructions but adds shared-memory traffic can still lose. Time it on t
 GPU.
 
     python benchmarks/sass_loop.py [--kernel forward|dq|dkdv] [--q-tile 4 4 4] [--kv-tile 2 2 16]
-                                   [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--dump]
+                                   [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--head-dim 64] [--dump]
 
-Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64.
+Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64 (``--head-dim``).
 ``--q-tile``/``--kv-tile`` are the program's own box and the scanned box: for dK/dV
 the key box and the query box.
 """
@@ -87,8 +87,9 @@ def main() -> None:
 
     (qt, qh, qw), (kt, kh, kw) = args.q_tile, args.kv_tile
     tma = not args.no_tma
-    constexprs = dict(HEAD_DIM=args.head_dim, BLOCK_D=args.head_dim, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False, STRIDED=False,
-                      USE_TMA=tma, ASSUME_FINITE=False, REDO=False, GROUP=1,  # the first launch, with its check
+    # (the first launch, with its check)
+    constexprs = dict(HEAD_DIM=args.head_dim, BLOCK_D=args.head_dim, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False,
+                      STRIDED=False, USE_TMA=tma, ASSUME_FINITE=False, REDO=False, GROUP=1,
                       **dict(zip(("DIL_T", "DIL_H", "DIL_W"), args.dilation)))
     if args.kernel == "dkdv":
         fn = na3d_bwd_dkdv_kernel

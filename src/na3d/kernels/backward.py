@@ -35,7 +35,7 @@ from .. import constants
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
 from .groups import descriptor_origin, dilation_group, grid_position, Place, position_rows
-from .masks import key_scan_masks, key_scan_visible, MASK_NONE, no_mask, step_mask_bias
+from .masks import key_scan_masks, key_scan_visible, no_mask, step_mask_bias
 from .memory import head_base, head_columns, load_rows, position_offsets
 from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, nonfinite_rows
 from .programs import program_keys, query_program, run_programs, store_query_tile
@@ -254,7 +254,7 @@ def na3d_bwd_dkdv_kernel(
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends.
     """
-    FULL_PAIRS: tl.constexpr = MASK_T == MASK_NONE and MASK_H == MASK_NONE and MASK_W == MASK_NONE
+    FULL_PAIRS: tl.constexpr = no_mask(MASK_T, MASK_H, MASK_W, False)
     run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
                              (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
                              T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
