@@ -1,5 +1,6 @@
 """What the launchers ask of a device: the name of its architecture (which config
-table serves it) and how many SMs it has. Each answer is cached per device."""
+table serves it), how many SMs it has, and whether it takes programmatic dependent
+launches. Each answer is cached per device."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ def _arch(index: int) -> str:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched as programmatic dependents of the
+    kernel before them (``griddepcontrol``: NVIDIA, capability 9.0 and up)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability(_index(device)) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)

@@ -14,7 +14,7 @@ import torch
 
 from . import configs, geometry
 from .constants import FLAG_BLOCK, LOG2_E, MASK_BITS, MASK_FIXED, MASK_NONE, MASK_PER_STEP
-from .device import device_arch, sm_count
+from .device import dependent_launch, device_arch, sm_count
 
 
 def kernels_interpreted() -> bool:
@@ -151,12 +151,20 @@ def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, n
     results hold an inf or NaN; then, on :func:`safe_grid`, ``REDO``: the flagged
     programs again, the safe way, on the same warps (so that its products are the
     first launch's, tile for tile) and one pipeline stage. ``assume_finite``: the
-    first launch only, without the check."""
-    kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, num_warps=num_warps,
+    first launch only, without the check.
+
+    On Hopper and later (``device.dependent_launch``) the second launch is a
+    programmatic dependent launch: it starts while the first one's last programs
+    run and waits in the kernel for their results, so that on finite inputs its
+    cost is a flag read rather than a launch after the first one
+    (``kernels/programs.py``). The interpreter and other GPUs launch the two in
+    order."""
+    pdl = not assume_finite and dependent_launch(flags.device) and not kernels_interpreted()
+    kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
                  num_stages=num_stages, **configs.maxnreg_option(maxnreg))
     if not assume_finite:
-        kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, num_warps=num_warps,
-                                 num_stages=1)
+        kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, PDL=pdl, num_warps=num_warps,
+                                 num_stages=1, **({"launch_pdl": True} if pdl else {}))
 
 
 def mask_modes(box: Sequence[int], scanned_box: Sequence[int], kernel_size: Sequence[int],

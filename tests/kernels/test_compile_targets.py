@@ -155,8 +155,10 @@ def compile_all(arch, first_only=False):
         causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
         # Every third configuration with two query heads per key/value head (GQA); every
         # launch with its check for inf/NaN (ASSUME_FINITE off), as by default.
+        # On Hopper the second launch is a programmatic dependent of the first
+        # (device.dependent_launch): both compile with PDL there, as launched.
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
-                    STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1, ASSUME_FINITE=False)
+                    STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1, ASSUME_FINITE=False, PDL=arch == "sm90")
         dilated = dict(zip(("DIL_T", "DIL_H", "DIL_W"), DILATION_CYCLE[i % len(DILATION_CYCLE)]))
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         for use_tma in (False, True) if arch == "sm90" else (False,):
@@ -173,9 +175,10 @@ def compile_all(arch, first_only=False):
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
             if use_tma == (arch == "sm90"):  # the safe kernel (kernels/programs.py), once per configuration
-                fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma,
-                                                               REDO=True, **tiles, **flags), warps, 1),
-                     "forward's second launch")
+                redo = fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1,
+                                                                      USE_TMA=use_tma, REDO=True, **tiles, **flags),
+                                        warps, 1), "forward's second launch")
+                dependent_launch(arch, asm, fwd, redo)
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
         dkdv_k, dkdv_q = q_tile, kv_tile
@@ -217,12 +220,14 @@ def compile_all(arch, first_only=False):
                 fits(fused, "fused dK/dV")
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma == (arch == "sm90"):
-                fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=True,
-                                                                  **tiles, **modes, **dil), dq_warps, 1),
-                     "dQ's second launch")
-                fits(compile_for(na3d_bwd_dkdv_kernel, target,
-                                 dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=True,
-                                      **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1), "dK/dV's second launch")
+                redo = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma,
+                                                                         REDO=True, **tiles, **modes, **dil),
+                                        dq_warps, 1), "dQ's second launch")
+                dependent_launch(arch, asm, dq, redo)
+                redo = fits(compile_for(na3d_bwd_dkdv_kernel, target,
+                                        dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=True,
+                                             **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1), "dK/dV's second launch")
+                dependent_launch(arch, asm, dkdv, redo)
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"
@@ -231,6 +236,13 @@ def compile_all(arch, first_only=False):
         compile_for(na3d_bwd_delta_kernel, target, delta, 4, 1)
     which = "the first table configuration" if first_only else "every table configuration"
     print(f"{arch}: all kernels compiled with {which}, within {SHARED_LIMIT[arch]} B of shared memory")
+
+
+def dependent_launch(arch, asm, first, second):
+    """On sm90 a kernel's first launch lets its second start early and the second
+    waits for the first's results (kernels/programs.py); elsewhere neither is there."""
+    signals = ("griddepcontrol.launch_dependents" in first.asm[asm], "griddepcontrol.wait" in second.asm[asm])
+    assert signals == ((True, True) if arch == "sm90" else (False, False)), f"{arch}: griddepcontrol {signals}"
 
 
 def compile_in_fresh_interpreter(*args):

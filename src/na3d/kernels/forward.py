@@ -26,7 +26,7 @@ def na3d_fwd_kernel(
     RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
     DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, ASSUME_FINITE: tl.constexpr,
-    REDO: tl.constexpr,
+    REDO: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -73,14 +73,16 @@ def na3d_fwd_kernel(
     ``REDO``: the second launch, on a grid (G,), any G: the programs the first
     launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
-    program reads its share of the flags and ends.
+    program reads its share of the flags and ends. ``PDL``: the second launch
+    overlaps the first one's end (programmatic dependent launch, Hopper on;
+    ``programs.run_programs``).
     """
     run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, (q_strides, k_strides, v_strides, o_strides),
                                 T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, HEAD_DIM, BLOCK_D,
                                 (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                                 (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, RETURN_LSE, SCALE_SIGN,
                                 USE_TMA),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL)
 
 
 @triton.jit

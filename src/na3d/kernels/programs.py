@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .groups import descriptor_origin, dilation_group
 from .memory import head_base, head_columns, key_value_bases, KeyBoxes, load_rows, position_offsets
@@ -44,7 +45,7 @@ class QueryProgram(NamedTuple):
 @triton.jit
 def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
                  GROUP: tl.constexpr, PER_KEY_HEAD: tl.constexpr, ASSUME_FINITE: tl.constexpr,
-                 REDO: tl.constexpr):
+                 REDO: tl.constexpr, PDL: tl.constexpr):
     """A kernel's body, shared by the three: which tile, head and batch element each
     program computes, ``tile_fn(tile, head, batch, heads, *args, SAFE, ASSUME_FINITE)``,
     and its non-finite flag.
@@ -65,12 +66,22 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
     Second launch (``REDO``, a grid (G,), any G): the flagged programs, the safe way,
     each by one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags, ``FLAG_BLOCK`` at a time, and ends. (The
-    safe way sets no flag: its tile function is called with ``ASSUME_FINITE`` on.)"""
+    safe way sets no flag: its tile function is called with ``ASSUME_FINITE`` on.)
+
+    ``PDL`` (Hopper on, ``launch.launch_and_redo``): the second launch is a
+    programmatic dependent launch. Each first-launch program lets it start at once
+    (``griddepcontrol.launch_dependents``: the second grid may launch once every
+    program of the first has started, into the slots of finished ones), and the
+    second waits for the first to end and its memory to settle
+    (``griddepcontrol.wait``) before reading a flag. Its launch then overlaps the
+    first launch's last programs instead of following them."""
     if PER_KEY_HEAD:
         grid_heads = heads // GROUP
     else:
         grid_heads = heads
     if REDO:
+        if PDL:
+            gdc_wait()
         for start in range(tl.program_id(0) * FLAG_BLOCK, n_programs, tl.num_programs(0) * FLAG_BLOCK):
             block = start + tl.arange(0, FLAG_BLOCK)
             if tl.max(tl.load(FLAGS + block, mask=block < n_programs, other=0).to(tl.int32), 0) != 0:
@@ -79,6 +90,8 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
                         tile_fn(program % n_tiles, (program // n_tiles) % grid_heads,
                                 program // (n_tiles * grid_heads), heads, *args, True, True)
     elif PER_KEY_HEAD:
+        if PDL and not ASSUME_FINITE:
+            gdc_launch_dependents()
         head = tl.program_id(1)
         batch = tl.program_id(2)
         tile = tl.program_id(0)
@@ -90,6 +103,8 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
             tl.debug_barrier()  # no 0 lands after a 1
             tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
     else:
+        if PDL and not ASSUME_FINITE:
+            gdc_launch_dependents()
         head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
         batch = tl.program_id(2)
         tile = tl.program_id(0) // GROUP
