@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--dilation", type=int, nargs=3, default=[1, 1, 1], metavar=("T", "H", "W"),
                         help="NATTEN's dilation")
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--split-full", action="store_true",
+                        help="forward: full key boxes in a loop of their own, without the mask (SPLIT_FULL)")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 
@@ -102,6 +104,8 @@ def main() -> None:
     # launch.mask_modes: 0 per step, 1 window bits, 2 fixed, 3 none
     constexprs.update({f"MASK_{axis.upper()}": 3 if axis in args.none else 2 if axis in args.fixed
                        else 1 if axis in args.bits else 0 for axis in "thw"})
+    if args.split_full:
+        constexprs["SPLIT_FULL"] = True
     kernel = compile_for(fn, GPUTarget("cuda", 90, 32), constexprs, args.warps, args.stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])

@@ -40,7 +40,12 @@ class ForwardConfig:
     ``fixed_mask``: along axes where the scan never moves (``launch.mask_modes``),
     compute the window mask once per program and let the QK^T product add it (the
     other axes then select once per score, from window bits where they fit); off
-    where holding it costs more than it saves (the 1-warp boxes of short windows)."""
+    where holding it costs more than it saves (the 1-warp boxes of short windows).
+    ``split_full``: where at least this share of a call's products falls in full box
+    pairs (``geometry.full_products_share``), each program scans those first, in a
+    loop without the mask, then the others (``kernels.tiles.FullBoxes``); None: never.
+    The masked loop then pays for stepping over the full boxes, so splitting pays
+    only above a share."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
@@ -49,6 +54,7 @@ class ForwardConfig:
     tma: bool = True
     maxnreg: Optional[int] = None
     fixed_mask: bool = True
+    split_full: Optional[float] = None
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -58,6 +64,12 @@ class ForwardConfig:
             if math.prod(tile) < 16:
                 raise ValueError(f"{name}={tile} must hold at least 16 positions (tl.dot minimum)")
         _check_maxnreg("maxnreg", self.maxnreg)
+        _check_share("split_full", self.split_full)
+
+
+def _check_share(name: str, value) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"{name}={value!r} must be None or a share in [0, 1]")
 
 
 def _check_maxnreg(name: str, value) -> None:
@@ -84,7 +96,8 @@ class BackwardConfig:
     ``torch.use_deterministic_algorithms(True)`` overrides it. ``tma``: as in
     :class:`ForwardConfig`, for the boxes each kernel scans; ``dq_maxnreg`` and
     ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``;
-    ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel.
+    ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel; ``split_full``: as
+    in :class:`ForwardConfig`, for the dQ kernel.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -100,6 +113,7 @@ class BackwardConfig:
     dq_maxnreg: Optional[int] = None
     dkdv_maxnreg: Optional[int] = None
     fixed_mask: bool = True
+    split_full: Optional[float] = None
 
     @property
     def dkdv_warps(self) -> int:
@@ -116,6 +130,7 @@ class BackwardConfig:
                 raise ValueError(f"{name}={tile} must be three powers of two holding at least 16 positions")
         _check_maxnreg("dq_maxnreg", self.dq_maxnreg)
         _check_maxnreg("dkdv_maxnreg", self.dkdv_maxnreg)
+        _check_share("split_full", self.split_full)
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,6 +141,14 @@ def load_table(arch: str) -> dict:
     if not path.is_file():
         path = folder / "default.json"
     return json.loads(path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def dependent_second_launch(arch: str) -> bool:
+    """Whether kernels on ``arch`` launch their second (non-finite) launch as a
+    programmatic dependent of the first (``launch.launch_and_redo``): the table's
+    ``dependent_launch``, off where it does not say."""
+    return bool(load_table(arch).get("dependent_launch", False))
 
 
 def matches(when: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch.dtype) -> bool:
@@ -195,7 +218,7 @@ def forward_config(
         if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
                                          option.get("tma", True), option.get("maxnreg"),
-                                         bool(option.get("fixed_mask", True))))
+                                         bool(option.get("fixed_mask", True)), option.get("split_full")))
     return best[1]
 
 
@@ -351,7 +374,8 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
     bwd = entry.get("backward")
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
-                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask)
+                              max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask,
+                              split_full=fwd.split_full)
     return fit_backward(bwd, shape, kernel_size, fwd.bucket)
 
 
@@ -360,7 +384,8 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
-    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``.
+    ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
+    ``"split_full"``.
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
     k_box = fit_tile(bwd["dkdv"][0], shape)
@@ -368,4 +393,4 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
-                          bool(bwd.get("fixed_mask", True)))
+                          bool(bwd.get("fixed_mask", True)), bwd.get("split_full"))

@@ -138,7 +138,9 @@ def na3d_forward(
         **dilation_constexprs(dilation),
         **mask_modes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask,
                      group_grid((T, H, W), dilation),
-                     block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)))
+                     block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)),
+        SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.q_tile, cfg.kv_tile,
+                              is_causal, stride))
     launch_and_redo(na3d_fwd_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
                     cfg.num_stages, cfg.maxnreg, assume_finite)
     return out, lse
@@ -153,13 +155,15 @@ def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, n
     first launch's, tile for tile) and one pipeline stage. ``assume_finite``: the
     first launch only, without the check.
 
-    On Hopper and later (``device.dependent_launch``) the second launch is a
+    Where the GPU can (``device.dependent_launch``: Hopper and later) and its table
+    says so (``configs.dependent_second_launch``), the second launch is a
     programmatic dependent launch: it starts while the first one's last programs
     run and waits in the kernel for their results, so that on finite inputs its
     cost is a flag read rather than a launch after the first one
-    (``kernels/programs.py``). The interpreter and other GPUs launch the two in
+    (``kernels/programs.py``). Elsewhere, and in the interpreter, the two launch in
     order."""
-    pdl = not assume_finite and dependent_launch(flags.device) and not kernels_interpreted()
+    pdl = (not assume_finite and dependent_launch(flags.device) and not kernels_interpreted()
+           and configs.dependent_second_launch(device_arch(flags.device)))
     kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
                  num_stages=num_stages, **configs.maxnreg_option(maxnreg))
     if not assume_finite:
@@ -225,6 +229,22 @@ def block_sparse_axes(box: Sequence[int], scanned_box: Sequence[int], kernel_siz
 def _block_sparse_axis(lengths, kernel_size, box, scanned_box, is_causal, stride, own):
     # (Memoized: the test walks every box of the axis, and a call should pay for it once.)
     return geometry.block_sparse_axis(lengths, kernel_size, box, scanned_box, is_causal, stride, own)
+
+
+def split_full(min_share: Optional[float], spatial: Sequence[int], kernel_size: Sequence[int], box: Sequence[int],
+               scanned_box: Sequence[int], is_causal: Sequence[bool], stride: Sequence[int]) -> bool:
+    """Whether a kernel whose programs own ``box`` and scan ``scanned_box`` on the grid
+    ``spatial`` (a dilation group's) splits its scan into full boxes and masked ones
+    (``SPLIT_FULL``): where the config asks for it (``min_share``, not None) and at
+    least that share of the products lies in full box pairs."""
+    return min_share is not None and _full_share(tuple(spatial), tuple(kernel_size), tuple(box), tuple(scanned_box),
+                                                 tuple(bool(c) for c in is_causal), tuple(stride)) >= min_share
+
+
+@functools.lru_cache(maxsize=4096)
+def _full_share(spatial, kernel_size, box, scanned_box, is_causal, stride):
+    # (Memoized as _block_sparse_axis: the count walks every box of each axis.)
+    return geometry.full_products_share(spatial, kernel_size, box, scanned_box, is_causal, stride)
 
 
 def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
@@ -380,7 +400,9 @@ def na3d_backward(
         **mask_modes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, cfg.fixed_mask and scale > 0,
                      group_grid((T, H, W), dilation),
                      block_sparse_axes(cfg.dq_q_tile, cfg.dq_kv_tile, kernel_size, is_causal, stride, (T, H, W),
-                                       dilation)), **common)
+                                       dilation)),
+        SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.dq_q_tile,
+                              cfg.dq_kv_tile, is_causal, stride), **common)
     launch_and_redo(na3d_bwd_dq_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
                     cfg.num_stages, cfg.dq_maxnreg, assume_finite)
 

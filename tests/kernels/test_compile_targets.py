@@ -109,9 +109,10 @@ def configs_for(arch):
                     continue
                 key = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]), entry["num_warps"], entry["num_stages"],
                        head_dim)
-                if key not in seen:
-                    seen.add(key)
-                    yield name, key, entry.get("backward", bucket.get("backward")), entry.get("maxnreg")
+                split = entry.get("split_full") is not None  # (the forward's scan split in two loops)
+                if (key, split) not in seen:
+                    seen.add((key, split))
+                    yield name, key, entry.get("backward", bucket.get("backward")), entry.get("maxnreg"), split
 
 
 # Causal flags cycle over the table's buckets: every flag is compiled on and off.
@@ -145,7 +146,7 @@ def compile_all(arch, first_only=False):
         assert used <= SHARED_LIMIT[arch], f"{arch} {bucket} head_dim {head_dim}: {what} needs {used} B of shared memory"
         return kernel
 
-    for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd, cap) in enumerate(configs_for(arch)):
+    for i, (bucket, (q_tile, kv_tile, warps, stages, head_dim), bwd, cap, split) in enumerate(configs_for(arch)):
         if first_only and i > 0:
             break
         # Register caps are an NVIDIA compiler option; other backends reject the keyword.
@@ -155,8 +156,9 @@ def compile_all(arch, first_only=False):
         causal = CAUSAL_CYCLE[i % len(CAUSAL_CYCLE)]
         # Every third configuration with two query heads per key/value head (GQA); every
         # launch with its check for inf/NaN (ASSUME_FINITE off), as by default.
-        # On Hopper the second launch is a programmatic dependent of the first
-        # (device.dependent_launch): both compile with PDL there, as launched.
+        # On Hopper the second launch may be a programmatic dependent of the first
+        # (device.dependent_launch, where the table's dependent_launch is on): sm90 builds
+        # compile that code, so that turning it on cannot fail to compile.
         base = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, CAUSAL_T=causal[0], CAUSAL_H=causal[1], CAUSAL_W=causal[2],
                     STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1, ASSUME_FINITE=False, PDL=arch == "sm90")
         dilated = dict(zip(("DIL_T", "DIL_H", "DIL_W"), DILATION_CYCLE[i % len(DILATION_CYCLE)]))
@@ -168,20 +170,27 @@ def compile_all(arch, first_only=False):
             flags = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes),
                          **(dict(DIL_T=1, DIL_H=1, DIL_W=1) if use_tma else dilated))
             fwd = fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1 - 2 * (i % 2),
-                                                                 USE_TMA=use_tma, REDO=False, **tiles, **flags),
+                                                                 USE_TMA=use_tma, REDO=False, SPLIT_FULL=split,
+                                                                 **tiles, **flags),
                                    warps, stages, cap), "forward")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
             assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
+            if i == 0 and not split:  # the split scan (a table's split_full) on every target, once
+                fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma,
+                                                               REDO=False, SPLIT_FULL=True, **tiles, **flags),
+                                 warps, stages, cap), "split forward")
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
             if use_tma == (arch == "sm90"):  # the safe kernel (kernels/programs.py), once per configuration
                 redo = fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1,
-                                                                      USE_TMA=use_tma, REDO=True, **tiles, **flags),
+                                                                      USE_TMA=use_tma, REDO=True, SPLIT_FULL=split,
+                                                                      **tiles, **flags),
                                         warps, 1), "forward's second launch")
                 dependent_launch(arch, asm, fwd, redo)
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
         dkdv_k, dkdv_q = q_tile, kv_tile
+        dq_split = split if bwd is None else bwd.get("split_full") is not None
         if bwd is not None:
             q_tile, kv_tile = bwd["dq"]
             dkdv_k, dkdv_q = bwd["dkdv"]
@@ -199,10 +208,14 @@ def compile_all(arch, first_only=False):
             # dK/dV: mask-free (every pair full) on every other configuration.
             dkdv_masks = dict.fromkeys(("MASK_T", "MASK_H", "MASK_W"), 3 if (i + use_tma) % 2 else 0)
             dq = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False,
-                                                                   **tiles, **modes, **dil),
+                                                                   SPLIT_FULL=dq_split, **tiles, **modes, **dil),
                                   dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
+            if i == 0 and not dq_split:
+                fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False,
+                                                                  SPLIT_FULL=True, **tiles, **modes, **dil),
+                                 dq_warps, dq_stages, dq_cap), "split dQ")
             dkdv = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                     dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
                                          **dual, **dil, **dkdv_masks),
@@ -221,7 +234,8 @@ def compile_all(arch, first_only=False):
             assert expected in fused.asm[asm], f"{arch} {bucket}: fused backward has no {expected}"
             if use_tma == (arch == "sm90"):
                 redo = fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma,
-                                                                         REDO=True, **tiles, **modes, **dil),
+                                                                         REDO=True, SPLIT_FULL=dq_split, **tiles,
+                                                                         **modes, **dil),
                                         dq_warps, 1), "dQ's second launch")
                 dependent_launch(arch, asm, dq, redo)
                 redo = fits(compile_for(na3d_bwd_dkdv_kernel, target,

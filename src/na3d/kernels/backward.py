@@ -39,7 +39,8 @@ from .masks import key_scan_masks, key_scan_visible, no_mask, step_mask_bias
 from .memory import head_base, head_columns, load_rows, position_offsets
 from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, nonfinite_rows
 from .programs import program_keys, query_program, run_programs, store_query_tile
-from .tiles import box_at, box_of_program, box_scan, box_steps, first_box, next_box, program_box
+from .tiles import (box_at, box_of_program, box_scan, box_steps, first_box, first_masked_box, next_box,
+                    next_masked_box, program_box, split_scan)
 from .windows import Neighborhood, sees
 
 LOG2_E = tl.constexpr(constants.LOG2_E)
@@ -100,6 +101,7 @@ def na3d_bwd_dq_kernel(
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT_FULL: tl.constexpr = False,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
     (``GROUP``: query heads per key/value head). One program: dQ of a Q_T x Q_H x Q_W
@@ -109,14 +111,15 @@ def na3d_bwd_dq_kernel(
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
     picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
     score scales to -inf). ``FLAGS``, ``REDO``, ``DIL_T/H/W``: as in the forward
-    kernel (``STATS`` stays in full-grid order). ``PDL``: as in the forward kernel.
+    kernel (``STATS`` stays in full-grid order). ``PDL``, ``SPLIT_FULL``: as in the
+    forward kernel.
 
     """
     run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
                            (q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides),
                            T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                            (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                           (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA),
+                           (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA, SPLIT_FULL),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL)
 
 
@@ -126,7 +129,7 @@ def dq_tile(
     tile, head, batch, heads, Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC, strides, T, H, W, window, tiling,
     qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
     WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr,
     ASSUME_FINITE: tl.constexpr,
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
@@ -151,61 +154,84 @@ def dq_tile(
     keys = program_keys(prog, batch, head, heads, K, V, K_DESC, V_DESC, k_strides, v_strides, DQ, dq_strides,
                         HEAD_DIM, BLOCK_Q, KV_BOX, WINDOW_FLAGS, DILATION, GROUP, False, SAFE)
     dq = dq_scan(prog.q, do, lse2, delta, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
-                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SAFE)
+                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SPLIT_FULL, SAFE)
     return store_query_tile(DQ, dq_strides, batch, head, box, dq, prog.cols, SAFE, ASSUME_FINITE, scale)
 
 
 @triton.jit
 def dq_scan(q, do, lse2, delta, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr,
-            USE_TMA: tl.constexpr, SAFE: tl.constexpr):
+            USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr):
     """The dQ kernel's scan of the union of the windows of ``box`` (``union``) in key
     boxes read from ``keys`` (a ``memory.KeyBoxes``): dQ unscaled. ``SAFE``: the safe
     loop (``kernels.nonfinite``): masks by selection (window bits where they fit),
     ``dS`` too (a non-finite ``dP`` of a hidden key stays out), and multiplies ``dS``
-    by the keys' finite part; not pipelined."""
-    BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    by the keys' finite part; not pipelined. ``SPLIT_FULL``: the key boxes every
+    query sees whole first, in a loop without a mask, then the others, as the
+    forward's scan (the safe loop in the same order)."""
     scan = box_scan(union, KV_BOX)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     NO_MASK: tl.constexpr = no_mask(MASKS[0], MASKS[1], MASKS[2], SAFE)
     ON_PRODUCT: tl.constexpr = MASKS[0] + MASKS[1] + MASKS[2] > 0 and not SAFE and not NO_MASK
+    SPLIT: tl.constexpr = SPLIT_FULL and not no_mask(MASKS[0], MASKS[1], MASKS[2], False)
     masks = key_scan_masks(box, nb, WINDOW_FLAGS, scan, MASKS, KV_BOX, BLOCK_Q, ON_PRODUCT, SAFE, float("-inf"))
-    i_t, i_h, i_w = first_box()
-    for _ in tl.range(scan.n_steps, num_stages=1 if SAFE else None):
-        c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
-        if USE_TMA and not SAFE:
-            # (the dilation group's place, see memory.load_key_box)
-            corner = [keys.batch, c_t, c_h + keys.origin[0], c_w + keys.origin[1],
-                      keys.head * HEAD_DIM + keys.origin[2] * keys.channels]
-            k = keys.K_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
-            v = keys.V_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
-        else:
-            # Keys past the union repeat its last position and are masked (memory.load_key_box).
-            pt = tl.minimum(kt, union.t1 - 1).to(tl.int64)
-            ph = tl.minimum(kh, union.h1 - 1).to(tl.int64)
-            pw = tl.minimum(kw, union.w1 - 1).to(tl.int64)
-            k = load_rows(keys.k_base, keys.k_strides, pt, ph, pw, cols)
-            v = load_rows(keys.v_base, keys.v_strides, pt, ph, pw, cols)
-        if ON_PRODUCT:
-            bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX)
-            s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
-            p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        elif NO_MASK:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        else:
-            visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS, KV_BOX,
-                                       BLOCK_Q, SAFE)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        ds = p * (dp - delta[:, None])
-        if SAFE:
-            ds = tl.where(visible, ds, 0.0)
-            k, _ = finite_part(k)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
-        i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
+    full, n_masked = split_scan(box, scan, nb, WINDOW_FLAGS, KV_BOX, SPLIT)
+    if SPLIT:
+        i_t, i_h, i_w = first_box()
+        for _ in tl.range(full.scan.n_steps, num_stages=1 if SAFE else None):
+            dq = dq_step(q, do, lse2, delta, keys, box, nb, union, full.scan, masks, i_t, i_h, i_w, dq, qk_scale,
+                         cols, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SAFE, False, True)
+            i_t, i_h, i_w = next_box(full.scan, i_t, i_h, i_w)
+    i_t, i_h, i_w = first_masked_box(full, SPLIT)
+    for _ in tl.range(n_masked, num_stages=1 if SAFE else None):
+        dq = dq_step(q, do, lse2, delta, keys, box, nb, union, scan, masks, i_t, i_h, i_w, dq, qk_scale, cols,
+                     HEAD_DIM, BLOCK_D, BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SAFE, ON_PRODUCT, NO_MASK)
+        i_t, i_h, i_w = next_masked_box(scan, full, i_t, i_h, i_w, SPLIT)
     return dq
+
+
+@triton.jit
+def dq_step(q, do, lse2, delta, keys, box, nb, union, scan, masks, i_t, i_h, i_w, dq, qk_scale, cols,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr,
+            WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
+            ON_PRODUCT: tl.constexpr, NO_MASK: tl.constexpr):
+    """One step of :func:`dq_scan`: key box ``(i_t, i_h, i_w)`` of ``scan``, masked on
+    the product (``ON_PRODUCT``), not at all (``NO_MASK``) or by selection; ``dq``
+    brought up to date."""
+    BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
+    if USE_TMA and not SAFE:
+        # (the dilation group's place, see memory.load_key_box)
+        corner = [keys.batch, c_t, c_h + keys.origin[0], c_w + keys.origin[1],
+                  keys.head * HEAD_DIM + keys.origin[2] * keys.channels]
+        k = keys.K_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
+        v = keys.V_DESC.load(corner).reshape(BLOCK_KV, BLOCK_D)
+    else:
+        # Keys past the union repeat its last position and are masked (memory.load_key_box).
+        pt = tl.minimum(kt, union.t1 - 1).to(tl.int64)
+        ph = tl.minimum(kh, union.h1 - 1).to(tl.int64)
+        pw = tl.minimum(kw, union.w1 - 1).to(tl.int64)
+        k = load_rows(keys.k_base, keys.k_strides, pt, ph, pw, cols)
+        v = load_rows(keys.v_base, keys.v_strides, pt, ph, pw, cols)
+    if ON_PRODUCT:
+        bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX)
+        s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    elif NO_MASK:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    else:
+        visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS, KV_BOX,
+                                   BLOCK_Q, SAFE)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        p = tl.where(visible, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    ds = p * (dp - delta[:, None])
+    if SAFE:
+        if not NO_MASK:
+            ds = tl.where(visible, ds, 0.0)
+        k, _ = finite_part(k)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])

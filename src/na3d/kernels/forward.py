@@ -13,7 +13,7 @@ from .memory import load_key_box
 from .nonfinite import finite_part
 from .programs import program_keys, query_program, run_programs, store_query_tile
 from .softmax import online_softmax_step
-from .tiles import box_at, box_scan, first_box, next_box
+from .tiles import box_at, box_scan, first_box, first_masked_box, next_box, next_masked_box, split_scan
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -26,7 +26,7 @@ def na3d_fwd_kernel(
     RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
     DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, ASSUME_FINITE: tl.constexpr,
-    REDO: tl.constexpr, PDL: tl.constexpr = False,
+    REDO: tl.constexpr, PDL: tl.constexpr = False, SPLIT_FULL: tl.constexpr = False,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -76,12 +76,15 @@ def na3d_fwd_kernel(
     program reads its share of the flags and ends. ``PDL``: the second launch
     overlaps the first one's end (programmatic dependent launch, Hopper on;
     ``programs.run_programs``).
+
+    ``SPLIT_FULL``: each program scans first the key boxes that all its queries see
+    whole, without a mask, then the others, masked as above (``tiles.FullBoxes``).
     """
     run_programs(forward_tile, (Q, K, V, O, LSE, K_DESC, V_DESC, (q_strides, k_strides, v_strides, o_strides),
                                 T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, HEAD_DIM, BLOCK_D,
                                 (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                                 (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, RETURN_LSE, SCALE_SIGN,
-                                USE_TMA),
+                                USE_TMA, SPLIT_FULL),
                  FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL)
 
 
@@ -90,8 +93,8 @@ def forward_tile(
     tile, head, batch, heads, Q, K, V, O, LSE, K_DESC, V_DESC, strides, T, H, W, window, tiling, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_BOX: tl.constexpr, KV_BOX: tl.constexpr,
     WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
-    RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr,
-    ASSUME_FINITE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr,
+    SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
 ):
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
@@ -110,7 +113,7 @@ def forward_tile(
     keys = program_keys(prog, batch, head, heads, K, V, K_DESC, V_DESC, k_strides, v_strides, O, o_strides, HEAD_DIM,
                         BLOCK_Q, KV_BOX, WINDOW_FLAGS, DILATION, GROUP, True, SAFE)
     acc, m_i, l_i = forward_scan(prog.q, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
-                                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SAFE)
+                                 BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SPLIT_FULL, SAFE)
     nonfinite = store_query_tile(O, o_strides, batch, head, box, acc / l_i[:, None], prog.cols, SAFE, ASSUME_FINITE)
     if RETURN_LSE:
         lse_rows = position_rows(batch, head, heads, box.t, box.h, box.w, prog.place, DILATION)
@@ -123,14 +126,15 @@ def forward_tile(
 @triton.jit
 def forward_scan(q, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr,
-                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SAFE: tl.constexpr):
+                 SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr):
     """The scan of one program's union of windows (``union``, a ``tiles.Span``) in
     key boxes read from ``keys`` (a ``memory.KeyBoxes``), for the queries ``q`` of
     ``box``: ``(acc, m, l)``, the unnormalized output, row maximum and sum (log2
     domain). ``SAFE``: the safe loop (``kernels.nonfinite``): masks by selection,
     multiplies by the values' finite part; not pipelined, so that it adds no shared
-    memory."""
-    BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    memory. ``SPLIT_FULL``: the key boxes every query sees whole first, in a loop
+    without a mask, then the others (``tiles.FullBoxes``; the safe loop in the same
+    order; a zero scale, or a scan with nothing to mask, does not split)."""
     scan = box_scan(union, KV_BOX)
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
@@ -143,28 +147,51 @@ def forward_scan(q, keys, box, nb, union, qk_scale, cols, HEAD_DIM: tl.constexpr
     NO_MASK: tl.constexpr = no_mask(MASKS[0], MASKS[1], MASKS[2], SAFE)
     ON_PRODUCT: tl.constexpr = (MASKS[0] + MASKS[1] + MASKS[2] > 0) and SCALE_SIGN != 0 and not SAFE and not NO_MASK
     MASK_SCORES: tl.constexpr = not ON_PRODUCT and not NO_MASK
+    SPLIT: tl.constexpr = SPLIT_FULL and SCALE_SIGN != 0 and not no_mask(MASKS[0], MASKS[1], MASKS[2], False)
     masks = key_scan_masks(box, nb, WINDOW_FLAGS, scan, MASKS, KV_BOX, BLOCK_Q, ON_PRODUCT, SAFE, MASKED)
-    i_t, i_h, i_w = first_box()
-    for _ in tl.range(scan.n_steps, num_stages=1 if SAFE else None):
-        c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
-        k = load_key_box(keys, False, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
-                         USE_TMA and not SAFE)
-        if ON_PRODUCT:
-            bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX, MASKED)
-            s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if MASK_SCORES:
-                visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS,
-                                           KV_BOX, BLOCK_Q, SAFE)
-        p, alpha, m_new, l_i = online_softmax_step(s, visible if MASK_SCORES else None, m_i, l_i, qk_scale,
-                                                   SCALE_SIGN, MASK_SCORES)
-        v = load_key_box(keys, True, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
-                         USE_TMA and not SAFE)
-        if SAFE:
-            v, _ = finite_part(v)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        m_i = m_new
-        i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
+    full, n_masked = split_scan(box, scan, nb, WINDOW_FLAGS, KV_BOX, SPLIT)
+    if SPLIT:
+        i_t, i_h, i_w = first_box()
+        for _ in tl.range(full.scan.n_steps, num_stages=1 if SAFE else None):
+            acc, m_i, l_i = forward_step(q, keys, box, nb, union, full.scan, masks, i_t, i_h, i_w, acc, m_i, l_i,
+                                         qk_scale, cols, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS,
+                                         SCALE_SIGN, USE_TMA, SAFE, MASKED, False, False)
+            i_t, i_h, i_w = next_box(full.scan, i_t, i_h, i_w)
+    i_t, i_h, i_w = first_masked_box(full, SPLIT)
+    for _ in tl.range(n_masked, num_stages=1 if SAFE else None):
+        acc, m_i, l_i = forward_step(q, keys, box, nb, union, scan, masks, i_t, i_h, i_w, acc, m_i, l_i, qk_scale,
+                                     cols, HEAD_DIM, BLOCK_D, BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN,
+                                     USE_TMA, SAFE, MASKED, ON_PRODUCT, MASK_SCORES)
+        i_t, i_h, i_w = next_masked_box(scan, full, i_t, i_h, i_w, SPLIT)
     return acc, m_i, l_i
+
+
+@triton.jit
+def forward_step(q, keys, box, nb, union, scan, masks, i_t, i_h, i_w, acc, m_i, l_i, qk_scale, cols,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, KV_BOX: tl.constexpr,
+                 WINDOW_FLAGS: tl.constexpr, MASKS: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
+                 SAFE: tl.constexpr, MASKED: tl.constexpr, ON_PRODUCT: tl.constexpr, MASK_SCORES: tl.constexpr):
+    """One step of :func:`forward_scan`: key box ``(i_t, i_h, i_w)`` of ``scan``, masked
+    on the product (``ON_PRODUCT``), by selection (``MASK_SCORES``) or not at all;
+    ``(acc, m, l)`` brought up to date."""
+    BLOCK_KV: tl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    c_t, c_h, c_w, kt, kh, kw = box_at(scan, i_t, i_h, i_w, KV_BOX)
+    k = load_key_box(keys, False, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                     USE_TMA and not SAFE)
+    if ON_PRODUCT:
+        bias = step_mask_bias(masks, kt, kh, kw, i_t, i_h, i_w, scan, MASKS, KV_BOX, MASKED)
+        s = tl.dot(q, tl.trans(k), bias, input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if MASK_SCORES:
+            visible = key_scan_visible(box, kt, kh, kw, masks, i_t, i_h, i_w, scan, nb, WINDOW_FLAGS, MASKS,
+                                       KV_BOX, BLOCK_Q, SAFE)
+    p, alpha, m_new, l_i = online_softmax_step(s, visible if MASK_SCORES else None, m_i, l_i, qk_scale,
+                                               SCALE_SIGN, MASK_SCORES)
+    v = load_key_box(keys, True, c_t, c_h, c_w, kt, kh, kw, union, cols, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                     USE_TMA and not SAFE)
+    if SAFE:
+        v, _ = finite_part(v)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    return acc, m_new, l_i

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .windows import queries_seeing, union_of_windows
+from .windows import queries_seeing, seen_by_all, union_of_windows
 
 
 class Span(NamedTuple):
@@ -26,11 +26,15 @@ class Span(NamedTuple):
 
 class Box(NamedTuple):
     """A program's own box: the coordinates of its positions (row-major inside the
-    box, clamped into the grid) and which of them lie inside the grid."""
+    box, clamped into the grid), which of them lie inside the grid, and per axis
+    its first position and its last one inside the grid, ``(t, h, w)`` each
+    (scalars, the same in every thread)."""
     t: tl.tensor
     h: tl.tensor
     w: tl.tensor
     valid: tl.tensor
+    first: tl.tensor
+    last: tl.tensor
 
 
 class BoxScan(NamedTuple):
@@ -109,13 +113,13 @@ def program_box(tile, tiling, nb, WINDOW_FLAGS: tl.constexpr, BOX: tl.constexpr,
     tl.static_assert(BOX[0] * BOX[1] * BOX[2] >= 16, "tl.dot needs boxes of at least 16 positions")
     t0, h0, w0, t, h, w, valid = box_of_program(tile, tiling[0], tiling[1], nb.T, nb.H, nb.W, BOX[0], BOX[1], BOX[2],
                                                 DILATED)
-    s_t0, s_t1 = scanned_range(t0, tl.minimum(t0 + BOX[0], nb.T) - 1, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0],
-                               WINDOW_FLAGS[3], OWN_ARE_QUERIES)
-    s_h0, s_h1 = scanned_range(h0, tl.minimum(h0 + BOX[1], nb.H) - 1, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1],
-                               WINDOW_FLAGS[3], OWN_ARE_QUERIES)
-    s_w0, s_w1 = scanned_range(w0, tl.minimum(w0 + BOX[2], nb.W) - 1, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2],
-                               WINDOW_FLAGS[3], OWN_ARE_QUERIES)
-    return Box(t, h, w, valid), Span(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)
+    last_t = tl.minimum(t0 + BOX[0], nb.T) - 1
+    s_t0, s_t1 = scanned_range(t0, last_t, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    last_h = tl.minimum(h0 + BOX[1], nb.H) - 1
+    s_h0, s_h1 = scanned_range(h0, last_h, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    last_w = tl.minimum(w0 + BOX[2], nb.W) - 1
+    s_w0, s_w1 = scanned_range(w0, last_w, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    return Box(t, h, w, valid, (t0, h0, w0), (last_t, last_h, last_w)), Span(s_t0, s_t1, s_h0, s_h1, s_w0, s_w1)
 
 
 @triton.jit
@@ -178,4 +182,86 @@ def next_box(scan, i_t, i_h, i_w):
     wrap_h = i_h == scan.steps_h
     i_h = tl.where(wrap_h, 0, i_h)
     i_t = tl.where(wrap_h, i_t + 1, i_t)
+    return i_t, i_h, i_w
+
+
+# Full boxes. Where every query of a program's box sees every key of a key box,
+# their product needs no mask. A scan that splits (``SPLIT_FULL``, a table's
+# choice) runs the full boxes first, in a loop of their own without the mask's
+# arithmetic, then the other boxes (masked) in its usual order, stepping over the
+# full ones. Its products and their order are the same in the fast and the safe
+# loops, so the non-finite recomputation still matches the fast tile bit for bit.
+
+
+class FullBoxes(NamedTuple):
+    """The full key boxes of a scan (:func:`full_key_boxes`): their indices in the
+    scan, ``[t0, t1) x [h0, h1) x [w0, w1)`` as a :class:`Span` of box indices (empty:
+    ``t0 == t1 == 0``), and the :class:`BoxScan` over them alone."""
+    boxes: tl.tensor
+    scan: tl.tensor
+
+
+@triton.jit
+def full_key_boxes(box, scan, nb, WINDOW_FLAGS: tl.constexpr, KV_BOX: tl.constexpr):
+    """For a box of queries (``box``, a :class:`Box`) scanning key boxes (``scan``):
+    the :class:`FullBoxes`, those whose keys every query of the box sees.
+
+    Per axis, the intersection of the windows of the box's first and last position
+    in the grid (``windows.seen_by_all``), in whole boxes of the scan. Along W the
+    full range stops one box short of the scan's last box, so that stepping over it
+    (:func:`first_masked_box`, :func:`next_masked_box`) never ends a row."""
+    a, b = seen_by_all(box.first[0], box.last[0], nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3])
+    t0, t1 = tl.cdiv(a - scan.t0, KV_BOX[0]), (b - scan.t0) // KV_BOX[0]
+    a, b = seen_by_all(box.first[1], box.last[1], nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3])
+    h0, h1 = tl.cdiv(a - scan.h0, KV_BOX[1]), (b - scan.h0) // KV_BOX[1]
+    a, b = seen_by_all(box.first[2], box.last[2], nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3])
+    w0, w1 = tl.cdiv(a - scan.w0, KV_BOX[2]), tl.minimum((b - scan.w0) // KV_BOX[2], scan.steps_w - 1)
+    # (a - scan start >= 0 and b - scan start > 0: the scan starts at the first query's window)
+    empty = (t1 <= t0) | (h1 <= h0) | (w1 <= w0)
+    t0 = tl.where(empty, 0, t0)
+    t1 = tl.where(empty, 0, t1)
+    inner = BoxScan(scan.t0 + t0 * KV_BOX[0], scan.h0 + h0 * KV_BOX[1], scan.w0 + w0 * KV_BOX[2], h1 - h0, w1 - w0,
+                    (t1 - t0) * (h1 - h0) * (w1 - w0), scan.off_t, scan.off_h, scan.off_w)
+    return FullBoxes(Span(t0, t1, h0, h1, w0, w1), inner)
+
+
+@triton.jit
+def split_scan(box, scan, nb, WINDOW_FLAGS: tl.constexpr, KV_BOX: tl.constexpr, SPLIT: tl.constexpr):
+    """A scan over key boxes, split (``SPLIT``) or not: its :class:`FullBoxes` (a
+    placeholder unless split) and the number of the other boxes, which the masked
+    loop scans."""
+    if SPLIT:
+        full = full_key_boxes(box, scan, nb, WINDOW_FLAGS, KV_BOX)
+        n_masked = scan.n_steps - full.scan.n_steps
+    else:
+        full = FullBoxes(Span(scan.t0, scan.t0, scan.h0, scan.h0, scan.w0, scan.w0), scan)
+        n_masked = scan.n_steps
+    return full, n_masked
+
+
+@triton.jit
+def skip_full(full, i_t, i_h, i_w):
+    """Box indices ``(i_t, i_h, i_w)`` of a scan, moved past the :class:`FullBoxes`
+    ``full`` where they reach its first box of a row (to the row's first box after
+    them, which exists: :func:`full_key_boxes`)."""
+    f = full.boxes
+    jump = (i_t >= f.t0) & (i_t < f.t1) & (i_h >= f.h0) & (i_h < f.h1) & (i_w == f.w0)
+    return i_t, i_h, tl.where(jump, f.w1, i_w)
+
+
+@triton.jit
+def first_masked_box(full, SPLIT: tl.constexpr):
+    """The masked loop's first box: the scan's first, past the full boxes if split."""
+    i_t, i_h, i_w = first_box()
+    if SPLIT:
+        i_t, i_h, i_w = skip_full(full, i_t, i_h, i_w)
+    return i_t, i_h, i_w
+
+
+@triton.jit
+def next_masked_box(scan, full, i_t, i_h, i_w, SPLIT: tl.constexpr):
+    """The masked loop's next box (:func:`next_box`), past the full boxes if split."""
+    i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
+    if SPLIT:
+        i_t, i_h, i_w = skip_full(full, i_t, i_h, i_w)
     return i_t, i_h, i_w

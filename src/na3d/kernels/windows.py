@@ -93,6 +93,16 @@ def queries_seeing(first_key, last_key, length, kernel_size, stride, CAUSAL: tl.
 
 
 @triton.jit
+def seen_by_all(first, last, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr):
+    """The keys ``[start, stop)`` that every query of ``first..last`` sees (none where
+    ``start >= stop``): the intersection of their windows, ``[start(last),
+    stop(first))``, since both window ends never decrease with the query index."""
+    start, _ = window_bounds(last, length, kernel_size, stride, CAUSAL, STRIDED)
+    _, stop = window_bounds(first, length, kernel_size, stride, CAUSAL, STRIDED)
+    return start, stop
+
+
+@triton.jit
 def query_windows(qt, qh, qw, nb, WINDOW_FLAGS: tl.constexpr):
     """The windows of queries ``(qt, qh, qw)``, per axis: ``(st, et, sh, eh, sw, ew)``
     (:func:`window_bounds`; ``nb``: a :class:`Neighborhood`)."""

@@ -1,0 +1,158 @@
+"""Full boxes in a loop of their own (a config's ``split_full``): each forward and
+dQ program scans first the key boxes all its queries see whole, without a mask,
+then the others, masked, stepping over the full ones (``kernels.tiles.FullBoxes``).
+
+The products are the same as the one-loop kernel's, in another order, so the
+outputs, lse and dQ are checked against the float64 oracle (the order changes the
+rounding, not the tolerance), and the output against the one-loop kernel within
+that tolerance. Each case asserts that its scans hold both full and masked boxes, so
+that both loops and the step over the full boxes run. A NaN key inside the full
+boxes checks that the safe recomputation scans in the same order: every element
+it does not reach equals, bit for bit, the kernel's result with that key zeroed.
+Interpreter on the CPU (fp32 through pointers, fp16 through tensor descriptors
+where the layout allows), bf16 on the GPU.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from na3d import geometry, launch
+from na3d.configs import BackwardConfig, ForwardConfig
+from na3d.reference import na3d_windowed
+from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv, poisoned_like, slow_except, tolerance
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.kernels_interpreted(),
+    reason="no GPU and the Triton interpreter is not active")
+DTYPES = (torch.bfloat16,) if DEVICE == "cuda" else (torch.float32, torch.float16)
+
+F = False
+# (shape, key/value heads, kernel, stride, dilation, causal, query box, key box, fixed_mask)
+CASES = [
+    # small and quick (the first in the default run): a wide W window; grouped heads with B > 1
+    ((1, 2, 6, 12, 2, 16), 2, (1, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 2, 8), (1, 4, 4), True),
+    ((2, 3, 6, 12, 4, 16), 1, (1, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 2, 8), False),
+    # large windows on an odd grid: the middle of each scan is full
+    ((1, 9, 10, 12, 2, 16), 2, (7, 7, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (2, 2, 4), (1, 2, 8), True),
+    # the same with the plain per-step mask (scores masked by selection)
+    ((1, 9, 10, 12, 2, 16), 2, (7, 7, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (2, 2, 4), (1, 2, 8), False),
+    # grouped heads, B > 1, full boxes reaching the scan's first box of a row
+    ((2, 8, 9, 11, 4, 16), 1, (5, 7, 7), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 4, 4), True),
+    # a causal axis
+    ((1, 8, 10, 10, 2, 16), 2, (4, 7, 7), (1, 1, 1), (1, 1, 1), (True, F, F), (1, 4, 4), (1, 4, 4), F),
+    # a stride that is not the boxes'
+    ((1, 8, 12, 12, 2, 16), 2, (5, 9, 9), (1, 3, 2), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 4, 4), True),
+    # dilation: full boxes inside each group
+    ((1, 6, 16, 16, 2, 16), 2, (3, 7, 7), (1, 1, 1), (1, 2, 2), (F, F, F), (1, 4, 4), (1, 4, 4), True),
+]
+IDS = ["small", "small-gqa-batch", "large-window", "per-step-mask", "gqa-batch", "causal-T", "stride-1x3x2",
+       "dilated"]
+
+
+def full_share(case):
+    shape, _, kernel, stride, dilation, causal, q_box, kv_box, _ = case
+    return geometry.full_products_share(launch.group_grid(shape[1:4], dilation), kernel, q_box, kv_box, causal,
+                                        stride)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_cases_hold_full_and_masked_boxes(case):
+    assert 0 < full_share(CASES[case]) < 1, IDS[case]
+
+
+def forward(case, q, k, v, scale, split):
+    _, _, kernel, stride, dilation, causal, q_box, kv_box, fixed = case
+    cfg = ForwardConfig(q_box, kv_box, num_warps=4, num_stages=2, fixed_mask=fixed,
+                        split_full=0.0 if split else None)
+    return launch.na3d_forward(q, k, v, kernel, scale, return_lse=True, out=poisoned_like(q), config=cfg,
+                               is_causal=causal, stride=stride, dilation=dilation)
+
+
+def gradients(case, q, k, v, out, lse, grad_out, scale):
+    """dQ by the split kernel (dK/dV as always), from the forward's ``out`` and ``lse``."""
+    _, _, kernel, stride, dilation, causal, q_box, kv_box, fixed = case
+    cfg = BackwardConfig(q_box, kv_box, q_box, kv_box, num_warps=4, num_stages=2, fixed_mask=fixed, split_full=0.0)
+    grads = tuple(poisoned_like(t) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=cfg, is_causal=causal,
+                         stride=stride, dilation=dilation)
+    return grads
+
+
+def inputs(case, dtype, seed):
+    shape, kv_heads = case[:2]
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=seed)
+    return q, k[..., :kv_heads, :].contiguous(), v[..., :kv_heads, :].contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", slow_except([(i,) for i in range(len(CASES))], keep=(0,), ids=IDS))
+def test_split_matches_oracle_and_one_loop(case, dtype):
+    c = CASES[case]
+    q, k, v = inputs(c, dtype, seed=120 + case)
+    out, lse = forward(c, q, k, v, 0.3, split=True)
+    one_loop, one_loop_lse = forward(c, q, k, v, 0.3, split=False)
+    _, _, kernel, stride, dilation, causal = c[:6]
+    qc, kc, vc = (t.cpu() for t in (q, k, v))
+    assert_matches_oracle(out.cpu(), qc, kc, vc, kernel, 0.3, dilation, causal, stride)
+    oracle, oracle_lse = na3d_windowed(qc, kc, vc, kernel, 0.3, dilation, causal, stride, return_lse=True)
+    tol = tolerance(qc, kc, vc, kernel, 0.3, oracle, dilation, causal, stride)
+    assert (out.double().cpu() - one_loop.double().cpu()).abs().max() <= 2 * tol
+    # lse: within twice the one-loop kernel's own error, plus float32 rounding.
+    one_loop_err = (one_loop_lse.double().cpu() - oracle_lse).abs().max().item()
+    band = 4 * torch.finfo(torch.float32).eps * max(1.0, oracle_lse.abs().max().item())
+    assert (lse.double().cpu() - oracle_lse).abs().max().item() <= 2 * one_loop_err + band
+    grad_out = make_qkv(c[0], dtype, device=DEVICE, seed=130 + case)[0]
+    grads = gradients(c, q, k, v, out, lse, grad_out, 0.3)
+    assert_grads_match_oracle(grads, qc, kc, vc, grad_out.cpu(), kernel, 0.3, dilation=dilation, is_causal=causal,
+                              stride=stride)
+
+
+def test_split_with_a_negative_scale():
+    # The masked loop masks with +inf there (the row maximum is a minimum).
+    c = CASES[0]
+    q, k, v = inputs(c, DTYPES[0], seed=140)
+    out, _ = forward(c, q, k, v, -0.7, split=True)
+    _, _, kernel, stride, dilation, causal = c[:6]
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, -0.7, dilation, causal, stride)
+
+
+@pytest.mark.parametrize("case", slow_except([(0,), (1,), (2,)], keep=(0,), ids=IDS[:3]))
+def test_nan_key_in_full_boxes_stays_in_its_windows(case):
+    # A key in the middle of the grid lies in the full boxes of the programs around
+    # it: the safe launch recomputes them, in the split order.
+    c = CASES[case]
+    q, k, v = inputs(c, DTYPES[0], seed=150 + case)
+    shape = c[0]
+    position = (0, shape[1] // 2, shape[2] // 2, shape[3] // 2, 0, 3)
+    bad, zero = k.clone(), k.clone()
+    bad[position] = float("nan")
+    zero[position] = 0.0
+    got, got_lse = forward(c, q, bad, v, 0.3, split=True)
+    zeroed, zeroed_lse = forward(c, q, zero, v, 0.3, split=True)
+    _, _, kernel, stride, dilation, causal = c[:6]
+    want = ~torch.isfinite(na3d_windowed(q.cpu(), bad.cpu(), v.cpu(), kernel, 0.3, dilation, causal, stride))
+    nonfinite = ~torch.isfinite(got).cpu()
+    assert want.any() and torch.equal(nonfinite, want)
+    assert torch.equal(got[~nonfinite.to(got.device)], zeroed[~nonfinite.to(got.device)])
+    rows = nonfinite.any(-1)
+    assert torch.equal(got_lse[~rows.to(got.device)], zeroed_lse[~rows.to(got.device)])
+    # dQ: its safe launch too (from the zeroed key's forward, so that only the key differs)
+    grad_out = make_qkv(shape, DTYPES[0], device=DEVICE, seed=160 + case)[0]
+    dq_bad = gradients(c, q, bad, v, zeroed, zeroed_lse, grad_out, 0.3)[0]
+    dq_zero = gradients(c, q, zero, v, zeroed, zeroed_lse, grad_out, 0.3)[0]
+    hit = ~torch.isfinite(dq_bad)
+    assert hit.cpu().any() and torch.equal(hit.cpu().any(-1), want.any(-1))
+    assert torch.equal(dq_bad[~hit], dq_zero[~hit])
+
+
+def test_launcher_splits_above_the_configs_share():
+    # dit-hunyuan's grid and window with the DiT forward boxes: about 46 % of the
+    # products in full boxes; dit-wan's: about 9 %.
+    assert launch.split_full(0.3, (30, 48, 80), (18, 24, 24), (2, 8, 4), (2, 8, 2), (F, F, F), (1, 1, 1))
+    assert not launch.split_full(0.3, (21, 30, 52), (9, 15, 15), (2, 8, 4), (2, 8, 2), (F, F, F), (1, 1, 1))
+    assert not launch.split_full(None, (30, 48, 80), (18, 24, 24), (2, 8, 4), (2, 8, 2), (F, F, F), (1, 1, 1))
+    with pytest.raises(ValueError, match="split_full"):
+        dataclasses.replace(ForwardConfig((2, 2, 4), (1, 2, 8), 4, 2), split_full=1.5)
