@@ -35,20 +35,20 @@ CASES = [
     # small and quick (the first in the default run): a wide W window; grouped heads with B > 1
     ((1, 2, 6, 12, 2, 16), 2, (1, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 2, 8), (1, 4, 4), True),
     ((2, 3, 6, 12, 4, 16), 1, (1, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 2, 8), False),
-    # large windows on an odd grid: the middle of each scan is full
-    ((1, 9, 10, 12, 2, 16), 2, (7, 7, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (2, 2, 4), (1, 2, 8), True),
+    # deeper boxes (two frames) over several key boxes along every axis
+    ((1, 5, 8, 12, 2, 16), 2, (3, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (2, 2, 4), (1, 2, 8), True),
     # the same with the plain per-step mask (scores masked by selection)
-    ((1, 9, 10, 12, 2, 16), 2, (7, 7, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (2, 2, 4), (1, 2, 8), False),
-    # grouped heads, B > 1, full boxes reaching the scan's first box of a row
-    ((2, 8, 9, 11, 4, 16), 1, (5, 7, 7), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 4, 4), True),
+    ((1, 5, 8, 12, 2, 16), 2, (3, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (2, 2, 4), (1, 2, 8), False),
+    # grouped heads, B > 1
+    ((2, 3, 8, 12, 4, 16), 1, (3, 5, 9), (1, 1, 1), (1, 1, 1), (F, F, F), (1, 2, 8), (1, 4, 4), True),
     # a causal axis
-    ((1, 8, 10, 10, 2, 16), 2, (4, 7, 7), (1, 1, 1), (1, 1, 1), (True, F, F), (1, 4, 4), (1, 4, 4), F),
+    ((1, 4, 6, 8, 2, 16), 2, (2, 5, 7), (1, 1, 1), (1, 1, 1), (True, F, F), (1, 4, 4), (1, 4, 4), F),
     # a stride that is not the boxes'
-    ((1, 8, 12, 12, 2, 16), 2, (5, 9, 9), (1, 3, 2), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 4, 4), True),
+    ((1, 4, 6, 8, 2, 16), 2, (2, 5, 7), (1, 3, 2), (1, 1, 1), (F, F, F), (1, 4, 4), (1, 4, 4), True),
     # dilation: full boxes inside each group
-    ((1, 6, 16, 16, 2, 16), 2, (3, 7, 7), (1, 1, 1), (1, 2, 2), (F, F, F), (1, 4, 4), (1, 4, 4), True),
+    ((1, 4, 12, 16, 2, 16), 2, (2, 5, 7), (1, 1, 1), (1, 2, 2), (F, F, F), (1, 4, 4), (1, 4, 4), True),
 ]
-IDS = ["small", "small-gqa-batch", "large-window", "per-step-mask", "gqa-batch", "causal-T", "stride-1x3x2",
+IDS = ["small", "small-gqa-batch", "deep-boxes", "per-step-mask", "gqa-batch", "causal-T", "stride-1x3x2",
        "dilated"]
 
 
