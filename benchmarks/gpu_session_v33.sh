@@ -3,11 +3,14 @@
 # programmatic dependent (PDL) and the split scans (full boxes in a loop of their own), each A/B'd against
 # the tree before it on the same GPU. Prepare the trees here, then carry .ab:
 #   for r in 5d9eb49 037d476; do mkdir -p .ab/$r && git archive $r src | tar -x -C .ab/$r; done
-#   mkdir -p .ab/split && cp -r src .ab/split/          # the tree under test (split_full in the table)
+#   mkdir -p .ab/split && cp -r src .ab/split/          # the tree under test, with the split on in its table:
+#   python3 -c "import json; p='.ab/split/src/na3d/configs/sm90.json'; t=json.load(open(p)); \
+#     b=[x for x in t['forward'] if x['bucket']=='dit_large_window'][0]; b['split_full']=0.3; \
+#     b['backward']['split_full']=0.35; t['dependent_launch']=True; open(p,'w').write(json.dumps(t, indent=1))"
 #   run: bash benchmarks/gpu_session_v33.sh   (device tool, carry [".ab"]; logs under $OUT)
 # PDL   = 037d476 against 5d9eb49 (no PDL): LTX rows, default and assume_finite=True (issue 34: default within
 #         1.02x of assume_finite on every LTX row).
-# SPLIT = .ab/split against 037d476: dit-hunyuan forward and backward (issue 33).
+# SPLIT = .ab/split against 037d476 (both with PDL): dit-hunyuan forward and backward (issue 33).
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env.txt
