@@ -6,7 +6,8 @@ removes instructions but adds shared-memory traffic can still lose. Time it on t
 GPU.
 
     python benchmarks/sass_loop.py [--kernel forward|dq|dkdv] [--q-tile 4 4 4] [--kv-tile 2 2 16]
-                                   [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--head-dim 64] [--dump]
+                                   [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--head-dim 64]
+                                   [--split-full] [--dump]
 
 Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64 (``--head-dim``).
 ``--q-tile``/``--kv-tile`` are the program's own box and the scanned box: for dK/dV
@@ -80,7 +81,7 @@ def main() -> None:
                         help="NATTEN's dilation")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--split-full", action="store_true",
-                        help="forward: full key boxes in a loop of their own, without the mask (SPLIT_FULL)")
+                        help="forward, dq: full key boxes in a loop of their own, without the mask (SPLIT_FULL)")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 

@@ -162,8 +162,9 @@ def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, n
     cost is a flag read rather than a launch after the first one
     (``kernels/programs.py``). Elsewhere, and in the interpreter, the two launch in
     order."""
-    pdl = (not assume_finite and dependent_launch(flags.device) and not kernels_interpreted()
-           and configs.dependent_second_launch(device_arch(flags.device)))
+    # (cached answers first: this runs on every launch)
+    pdl = (not assume_finite and dependent_launch(flags.device)
+           and configs.dependent_second_launch(device_arch(flags.device)) and not kernels_interpreted())
     kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
                  num_stages=num_stages, **configs.maxnreg_option(maxnreg))
     if not assume_finite:

@@ -1,0 +1,100 @@
+"""What a call launches on sm90, compiled here (no GPU needed), at any revision.
+
+    python benchmarks/launched_sass.py ROOT --shape B T H W NH HD --kernel KT KH KW [--assume-finite] [--backward]
+
+Imports ``na3d`` from ``ROOT/src`` (a checkout or ``git archive`` of any revision),
+makes its launchers believe the tensors sit on an sm90 GPU (the sm90 table, 132
+SMs) and runs ``launch.na3d_forward`` (and ``na3d_backward``) on CPU tensors of
+the shape, bf16. Each kernel launch is compiled instead of run: Triton's own
+launcher binds the arguments, so the specialization (divisibility, constants) is a
+real launch's. Prints, per launch, the PTX lines, SASS instructions, the key
+loops' lengths (``sass_loop.key_loops``) and the shared memory. Used to compare the
+code two revisions launch for one benchmark shape (NOTES v33: edge-wide at 324d74b
+and now).
+"""
+
+import argparse
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="a tree whose src/ holds the na3d to compile")
+    parser.add_argument("--shape", type=int, nargs=6, required=True, metavar=("B", "T", "H", "W", "NH", "HD"))
+    parser.add_argument("--kernel", type=int, nargs=3, required=True, metavar=("KT", "KH", "KW"))
+    parser.add_argument("--assume-finite", action="store_true", help="(trees that have it) no non-finite check")
+    parser.add_argument("--backward", action="store_true", help="also the backward's launches")
+    args = parser.parse_args()
+
+    sys.path.insert(0, os.path.join(os.path.abspath(args.root), "src"))
+    import torch
+    import triton
+    import triton.runtime.jit as jit
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class Sm90Driver:
+        """Enough of a driver for Triton to bind and compile a launch for sm90."""
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    driver.set_active(Sm90Driver())
+    import na3d.launch as launch
+
+    # The launchers' device queries, as on an H100/H200 (older trees keep them elsewhere).
+    for name in ("na3d.device", "na3d.configs", "na3d.launch"):
+        module = sys.modules.get(name)
+        for attr, value in (("device_arch", "sm90"), ("_arch", "sm90"), ("sm_count", 132)):
+            if module is not None and hasattr(module, attr):
+                setattr(module, attr, lambda *_a, _v=value, **_k: _v)
+        if module is not None and hasattr(module, "kernels_interpreted"):
+            module.kernels_interpreted = lambda: False
+
+    compiled = []
+
+    def compile_instead(self, grid):
+        def run(*call_args, **kwargs):
+            compiled.append((self.fn.__name__, kwargs, self.run(*call_args, grid=grid, warmup=True, **kwargs)))
+        return run
+
+    jit.JITFunction.__getitem__ = compile_instead
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(args.shape, generator=generator).to(torch.bfloat16) for _ in range(4))
+    params = inspect.signature(launch.na3d_forward).parameters
+    extra = {"assume_finite": True} if args.assume_finite and "assume_finite" in params else {}
+    lse_flag = "return_lse" if "return_lse" in params else "need_lse"
+    scale = args.shape[-1] ** -0.5
+    out, lse = launch.na3d_forward(q, k, v, tuple(args.kernel), scale, **{lse_flag: True}, **extra)
+    if args.backward:
+        launch.na3d_backward(grad_out, q, k, v, out, lse, tuple(args.kernel), scale, **extra)
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sass_loop import key_loops
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    for name, kwargs, kernel in compiled:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        instructions, loops = key_loops(sass)
+        print(f"{name}{' (second launch)' if kwargs.get('REDO') else ''}: warps {kwargs.get('num_warps')}, "
+              f"PTX {len(kernel.asm['ptx'].splitlines())} lines, SASS {len(instructions)} instructions, "
+              f"key loops {[len(body) for body in loops]}, shared {kernel.metadata.shared} B")
+
+
+if __name__ == "__main__":
+    main()
