@@ -15,8 +15,9 @@ the old revision.
 ``--features``: only the sm90 table's first configuration, plain and then each
 kernel with each feature turned on in turn (with and without tensor descriptors): causal
 axes, strided windows, grouped heads, dilation, the mask modes, a negative and a
-zero scale, lse and dlse, the fused dK/dV, and the second (safe) launch. Flags a
-revision's kernels do not have are skipped.
+zero scale, lse and dlse, the fused dK/dV, the second (safe) launch, the full-box
+split and the dependent second launch. Flags a revision's kernels do not have are
+skipped.
 
 ``--sass``: compare the machine code (sm90 SASS from Triton's ptxas, disassembled
 by its nvdisasm; addresses and encodings ignored) instead of the PTX. PTX that
@@ -112,6 +113,11 @@ FEATURES = {  # name: flags, and the kernels they apply to
     "unchecked": (dict(ASSUME_FINITE=True), "fwd dq dkdv"),
     "safe_launch": (dict(REDO=True), "fwd dq dkdv"),
     "safe_launch_dil_gqa": (dict(REDO=True, DIL_H=2, GROUP=2, CAUSAL_W=True), "fwd dq dkdv"),
+    "split_full": (dict(SPLIT_FULL=True), "fwd dq dkdv"),
+    "split_full_gqa_dil": (dict(SPLIT_FULL=True, GROUP=2, DIL_H=2, CAUSAL_T=True), "fwd dq dkdv"),
+    "split_full_fused": (dict(SPLIT_FULL=True, ACCUMULATE_DQ=True), "dkdv"),
+    "split_full_safe": (dict(SPLIT_FULL=True, REDO=True), "fwd dq dkdv"),
+    "dependent_launch": (dict(PDL=True), "fwd dq dkdv"),
 }
 configs = list(t.configs_for("sm90"))
 if features_run:

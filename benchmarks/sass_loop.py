@@ -81,7 +81,7 @@ def main() -> None:
                         help="NATTEN's dilation")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--split-full", action="store_true",
-                        help="forward, dq: full key boxes in a loop of their own, without the mask (SPLIT_FULL)")
+                        help="full boxes in a loop of their own, without the mask (SPLIT_FULL; dkdv: full query boxes)")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
     args = parser.parse_args()
 

@@ -120,6 +120,8 @@ try:
     import triton.language as tl
 
     from na3d.kernels.windows import queries_seeing as device_queries_seeing
+    from na3d.kernels.windows import seeing_all as device_seeing_all
+    from na3d.kernels.windows import seen_by_all as device_seen_by_all
     from na3d.kernels.windows import window_bounds as device_window_bounds
     from na3d.kernels.windows import window_start as device_window_start
 
@@ -136,6 +138,12 @@ try:
         first, stop = device_queries_seeing(a, b, L, K, S, CAUSAL, STRIDED)
         tl.store(Out, first)
         tl.store(Out + 1, stop)
+        start, stop = device_seen_by_all(a, b, L, K, S, CAUSAL, STRIDED)
+        tl.store(Out + 2, start)
+        tl.store(Out + 3, stop)
+        first, stop = device_seeing_all(a, b, L, K, S, CAUSAL, STRIDED)
+        tl.store(Out + 4, first)
+        tl.store(Out + 5, stop)
 except ImportError:  # pragma: no cover - Triton is a test dependency
     triton = None
 
@@ -165,9 +173,11 @@ def test_device_geometry_matches_python(causal, stride):
             continue
         for a in range(0, length, 2):
             for b in range(a, length, 3):
-                out = torch.zeros(2, dtype=torch.int32, device=device)
+                out = torch.zeros(6, dtype=torch.int32, device=device)
                 _queries_seeing_probe[(1,)](out, a, b, length, kernel, stride, CAUSAL=causal, STRIDED=stride > 1)
-                assert tuple(out.tolist()) == geometry.queries_seeing(a, b, length, kernel, causal, stride)
+                assert tuple(out.tolist()) == (*geometry.queries_seeing(a, b, length, kernel, causal, stride),
+                                               *geometry.keys_seen_by_all(a, b, length, kernel, causal, stride),
+                                               *geometry.queries_seeing_all(a, b, length, kernel, causal, stride))
 
 
 @pytest.mark.parametrize("stride", [1, 2, 3, 4])
@@ -185,6 +195,23 @@ def test_union_and_queries_seeing_per_causal_flag(causal, stride):
                 lo, hi = geometry.union_of_windows(a, b, length, kernel, causal, stride)
                 cols = sees[a:b + 1].any(0).nonzero().flatten().tolist()
                 assert (lo, hi) == (cols[0], cols[-1] + 1)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_ranges_are_the_intersections(causal, stride):
+    """The keys every query of a run sees, and the queries that see every key of a run
+    (the kernels' full boxes, ``tiles.full_boxes``): exactly those of the mask."""
+    for length, kernel in [(7, 3), (10, 4), (9, 9), (12, 1), (11, 6), (13, 5), (16, 8)]:
+        if stride > kernel:
+            continue
+        sees = geometry.mask_1d(length, kernel, is_causal=causal, stride=stride)
+        for a in range(length):
+            for b in range(a, length):
+                lo, hi = geometry.keys_seen_by_all(a, b, length, kernel, causal, stride)
+                assert sees[a:b + 1].all(0).nonzero().flatten().tolist() == list(range(lo, hi)), (a, b)
+                lo, hi = geometry.queries_seeing_all(a, b, length, kernel, causal, stride)
+                assert sees[:, a:b + 1].all(1).nonzero().flatten().tolist() == list(range(lo, hi)), (a, b)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -97,7 +97,8 @@ class BackwardConfig:
     :class:`ForwardConfig`, for the boxes each kernel scans; ``dq_maxnreg`` and
     ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``;
     ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel; ``split_full``: as
-    in :class:`ForwardConfig`, for the dQ kernel.
+    in :class:`ForwardConfig`, for the dQ kernel, and ``dkdv_split_full`` for the dK/dV
+    kernel (full pairs: query boxes that see every key of the program's box).
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -114,6 +115,7 @@ class BackwardConfig:
     dkdv_maxnreg: Optional[int] = None
     fixed_mask: bool = True
     split_full: Optional[float] = None
+    dkdv_split_full: Optional[float] = None
 
     @property
     def dkdv_warps(self) -> int:
@@ -131,6 +133,7 @@ class BackwardConfig:
         _check_maxnreg("dq_maxnreg", self.dq_maxnreg)
         _check_maxnreg("dkdv_maxnreg", self.dkdv_maxnreg)
         _check_share("split_full", self.split_full)
+        _check_share("dkdv_split_full", self.dkdv_split_full)
 
 
 @functools.lru_cache(maxsize=None)
@@ -385,7 +388,7 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
-    ``"split_full"``.
+    ``"split_full"``, ``"dkdv_split_full"``.
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
     k_box = fit_tile(bwd["dkdv"][0], shape)
@@ -393,4 +396,4 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
-                          bool(bwd.get("fixed_mask", True)), bwd.get("split_full"))
+                          bool(bwd.get("fixed_mask", True)), bwd.get("split_full"), bwd.get("dkdv_split_full"))

@@ -159,6 +159,26 @@ def queries_seeing(first_key: int, last_key: int, length: int, kernel_size: int,
     return first, stop
 
 
+def keys_seen_by_all(first: int, last: int, length: int, kernel_size: int,
+                     is_causal: bool = False, stride: int = 1) -> Tuple[int, int]:
+    """``[start, stop)``: the keys that every query of ``first..last`` sees (none where
+    ``start >= stop``). Both window ends never decrease with the query index, so the
+    intersection of the windows is ``[start(last), stop(first))``."""
+    return (window_bounds(last, length, kernel_size, 1, is_causal, stride)[0],
+            window_bounds(first, length, kernel_size, 1, is_causal, stride)[1])
+
+
+def queries_seeing_all(first_key: int, last_key: int, length: int, kernel_size: int,
+                       is_causal: bool = False, stride: int = 1) -> Tuple[int, int]:
+    """``[first, stop)``: the queries that see every key of ``first_key..last_key`` (none
+    where ``first >= stop``). The queries that see one key are contiguous and both
+    their ends never decrease with the key (:func:`queries_seeing`), so those that see
+    the whole run are the ones that see its last key and its first:
+    ``[first(last_key), stop(first_key))``."""
+    return (queries_seeing(last_key, last_key, length, kernel_size, is_causal, stride)[0],
+            queries_seeing(first_key, first_key, length, kernel_size, is_causal, stride)[1])
+
+
 def mask_1d(
     length: int,
     kernel_size: int,

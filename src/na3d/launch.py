@@ -233,19 +233,21 @@ def _block_sparse_axis(lengths, kernel_size, box, scanned_box, is_causal, stride
 
 
 def split_full(min_share: Optional[float], spatial: Sequence[int], kernel_size: Sequence[int], box: Sequence[int],
-               scanned_box: Sequence[int], is_causal: Sequence[bool], stride: Sequence[int]) -> bool:
+               scanned_box: Sequence[int], is_causal: Sequence[bool], stride: Sequence[int],
+               own: str = "queries") -> bool:
     """Whether a kernel whose programs own ``box`` and scan ``scanned_box`` on the grid
-    ``spatial`` (a dilation group's) splits its scan into full boxes and masked ones
-    (``SPLIT_FULL``): where the config asks for it (``min_share``, not None) and at
-    least that share of the products lies in full box pairs."""
+    ``spatial`` (a dilation group's; ``own``: as in :func:`block_sparse_axes`) splits
+    its scan into full boxes and masked ones (``SPLIT_FULL``): where the config asks
+    for it (``min_share``, not None) and at least that share of the products lies in
+    full box pairs."""
     return min_share is not None and _full_share(tuple(spatial), tuple(kernel_size), tuple(box), tuple(scanned_box),
-                                                 tuple(bool(c) for c in is_causal), tuple(stride)) >= min_share
+                                                 tuple(bool(c) for c in is_causal), tuple(stride), own) >= min_share
 
 
 @functools.lru_cache(maxsize=4096)
-def _full_share(spatial, kernel_size, box, scanned_box, is_causal, stride):
+def _full_share(spatial, kernel_size, box, scanned_box, is_causal, stride, own):
     # (Memoized as _block_sparse_axis: the count walks every box of each axis.)
-    return geometry.full_products_share(spatial, kernel_size, box, scanned_box, is_causal, stride)
+    return geometry.full_products_share(spatial, kernel_size, box, scanned_box, is_causal, stride, own)
 
 
 def nonfinite_flags(n_programs: int, device: torch.device) -> torch.Tensor:
@@ -439,7 +441,10 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
         cfg.dkdv_k_tile, cfg.dkdv_q_tile, (KT, KH, KW), causal, (ST, SH, SW), (T, H, W), dilation, own="keys"))
     constexprs = dict(constexprs, K_T=cfg.dkdv_k_tile[0], K_H=cfg.dkdv_k_tile[1], K_W=cfg.dkdv_k_tile[2],
                       Q_T=cfg.dkdv_q_tile[0], Q_H=cfg.dkdv_q_tile[1], Q_W=cfg.dkdv_q_tile[2],
-                      **{f"MASK_{axis}": MASK_NONE if full else MASK_PER_STEP for axis in "THW"})
+                      **{f"MASK_{axis}": MASK_NONE if full else MASK_PER_STEP for axis in "THW"},
+                      SPLIT_FULL=not full and split_full(cfg.dkdv_split_full, group_grid((T, H, W), dilation),
+                                                         (KT, KH, KW), cfg.dkdv_k_tile, cfg.dkdv_q_tile, causal,
+                                                         (ST, SH, SW), own="keys"))
     launch_and_redo(kernel, (n_tiles, kv_heads, B), args, constexprs, flags, cfg.dkdv_warps, cfg.dkdv_stages,
                     cfg.dkdv_maxnreg, assume_finite)
 

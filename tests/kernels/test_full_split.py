@@ -1,14 +1,17 @@
-"""Full boxes in a loop of their own (a config's ``split_full``): each forward and
-dQ program scans first the key boxes all its queries see whole, without a mask,
-then the others, masked, stepping over the full ones (``kernels.tiles.FullBoxes``).
+"""Full boxes in a loop of their own (a config's ``split_full`` and
+``dkdv_split_full``): each forward and dQ program scans first the key boxes all its
+queries see whole, without a mask, then the others, masked, stepping over the full
+ones (``kernels.tiles.FullBoxes``); each dK/dV program, the query boxes that see all
+its keys first.
 
 The products are the same as the one-loop kernel's, in another order, so the
 outputs, lse and dQ are checked against the float64 oracle (the order changes the
 rounding, not the tolerance), and the output against the one-loop kernel within
 that tolerance. Each case asserts that its scans hold both full and masked boxes, so
-that both loops and the step over the full boxes run. A NaN key inside the full
-boxes checks that the safe recomputation scans in the same order: every element
-it does not reach equals, bit for bit, the kernel's result with that key zeroed.
+that both loops and the step over the full boxes run. A NaN key (for dK/dV: a NaN
+query) inside the full boxes checks that the safe recomputation scans in the same
+order: every element it does not reach equals, bit for bit, the kernel's result
+with that input zeroed.
 Interpreter on the CPU (fp32 through pointers, fp16 through tensor descriptors
 where the layout allows), bf16 on the GPU.
 """
@@ -50,17 +53,26 @@ CASES = [
 ]
 IDS = ["small", "small-gqa-batch", "deep-boxes", "per-step-mask", "gqa-batch", "causal-T", "stride-1x3x2",
        "dilated"]
+# dK/dV's (key box, query box) per case: the forward's boxes swapped, except where
+# that pairing has no full pair (causal-T, stride-1x3x2, dilated)
+DKDV_BOXES = {5: ((1, 4, 4), (2, 2, 4)), 6: ((1, 4, 4), (2, 2, 4)), 7: ((1, 4, 4), (2, 2, 4))}
 
 
-def full_share(case):
-    shape, _, kernel, stride, dilation, causal, q_box, kv_box, _ = case
-    return geometry.full_products_share(launch.group_grid(shape[1:4], dilation), kernel, q_box, kv_box, causal,
-                                        stride)
+def dkdv_boxes(case):
+    return DKDV_BOXES.get(case, CASES[case][6:8])
+
+
+def full_share(case, own="queries"):
+    shape, _, kernel, stride, dilation, causal, q_box, kv_box, _ = CASES[case]
+    boxes = (q_box, kv_box) if own == "queries" else dkdv_boxes(case)
+    return geometry.full_products_share(launch.group_grid(shape[1:4], dilation), kernel, *boxes, causal, stride,
+                                        own)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
 def test_cases_hold_full_and_masked_boxes(case):
-    assert 0 < full_share(CASES[case]) < 1, IDS[case]
+    assert 0 < full_share(case) < 1, IDS[case]
+    assert 0 < full_share(case, "keys") < 1, IDS[case]
 
 
 def forward(case, q, k, v, scale, split):
@@ -71,10 +83,12 @@ def forward(case, q, k, v, scale, split):
                                is_causal=causal, stride=stride, dilation=dilation)
 
 
-def gradients(case, q, k, v, out, lse, grad_out, scale):
-    """dQ by the split kernel (dK/dV as always), from the forward's ``out`` and ``lse``."""
-    _, _, kernel, stride, dilation, causal, q_box, kv_box, fixed = case
-    cfg = BackwardConfig(q_box, kv_box, q_box, kv_box, num_warps=4, num_stages=2, fixed_mask=fixed, split_full=0.0)
+def gradients(case, q, k, v, out, lse, grad_out, scale, fused=False):
+    """dQ and dK/dV by the split kernels (``fused``: the one-pass backward), from the
+    forward's ``out`` and ``lse``."""
+    _, _, kernel, stride, dilation, causal, q_box, kv_box, fixed = CASES[case]
+    cfg = BackwardConfig(q_box, kv_box, *dkdv_boxes(case), num_warps=4, num_stages=2, fixed_mask=fixed,
+                         split_full=0.0, dkdv_split_full=0.0, fused=fused)
     grads = tuple(poisoned_like(t) for t in (q, k, v))
     launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=cfg, is_causal=causal,
                          stride=stride, dilation=dilation)
@@ -105,7 +119,7 @@ def test_split_matches_oracle_and_one_loop(case, dtype):
     band = 4 * torch.finfo(torch.float32).eps * max(1.0, oracle_lse.abs().max().item())
     assert (lse.double().cpu() - oracle_lse).abs().max().item() <= 2 * one_loop_err + band
     grad_out = make_qkv(c[0], dtype, device=DEVICE, seed=130 + case)[0]
-    grads = gradients(c, q, k, v, out, lse, grad_out, 0.3)
+    grads = gradients(case, q, k, v, out, lse, grad_out, 0.3)
     assert_grads_match_oracle(grads, qc, kc, vc, grad_out.cpu(), kernel, 0.3, dilation=dilation, is_causal=causal,
                               stride=stride)
 
@@ -141,14 +155,61 @@ def test_nan_key_in_full_boxes_stays_in_its_windows(case):
     assert torch.equal(got_lse[~rows.to(got.device)], zeroed_lse[~rows.to(got.device)])
     # dQ: its safe launch too (from the zeroed key's forward, so that only the key differs)
     grad_out = make_qkv(shape, DTYPES[0], device=DEVICE, seed=160 + case)[0]
-    dq_bad = gradients(c, q, bad, v, zeroed, zeroed_lse, grad_out, 0.3)[0]
-    dq_zero = gradients(c, q, zero, v, zeroed, zeroed_lse, grad_out, 0.3)[0]
+    dq_bad = gradients(case, q, bad, v, zeroed, zeroed_lse, grad_out, 0.3)[0]
+    dq_zero = gradients(case, q, zero, v, zeroed, zeroed_lse, grad_out, 0.3)[0]
     hit = ~torch.isfinite(dq_bad)
     assert hit.cpu().any() and torch.equal(hit.cpu().any(-1), want.any(-1))
     assert torch.equal(dq_bad[~hit], dq_zero[~hit])
 
 
+@pytest.mark.parametrize("case", slow_except([(0,), (4,), (5,)], keep=(0,), ids=[IDS[0], IDS[4], IDS[5]]))
+def test_nan_query_in_full_boxes_stays_in_its_window(case):
+    # dK/dV: a query in the middle of the grid lies in the full query boxes of the
+    # key programs around it. It reaches the dK and dV rows of the keys it sees
+    # (of its key/value head), all of their elements; the safe launch recomputes
+    # those programs in the split order, so every other element equals the result
+    # with that query zeroed, bit for bit.
+    c = CASES[case]
+    q, k, v = inputs(c, DTYPES[0], seed=170 + case)
+    shape, kv_heads, kernel, stride, dilation, causal = c[:6]
+    position = (0, shape[1] // 2, shape[2] // 2, shape[3] // 2)
+    bad, zero = q.clone(), q.clone()
+    bad[position + (0, 3)] = float("nan")
+    zero[position + (0, 3)] = 0.0
+    out, lse = forward(c, zero, k, v, 0.3, split=True)
+    grad_out = make_qkv(shape, DTYPES[0], device=DEVICE, seed=180 + case)[0]
+    _, dk_bad, dv_bad = gradients(case, bad, k, v, out, lse, grad_out, 0.3)
+    _, dk_zero, dv_zero = gradients(case, zero, k, v, out, lse, grad_out, 0.3)
+    seen = geometry.neighborhood_mask(shape[1:4], kernel, dilation, causal, stride=stride)
+    seen = seen[sum(p * n for p, n in zip(position[1:], (shape[2] * shape[3], shape[3], 1)))].reshape(shape[1:4])
+    want = torch.zeros(dk_bad.shape, dtype=torch.bool)
+    want[0, ..., 0, :] = seen[..., None]
+    for bad_grad, zero_grad in ((dk_bad, dk_zero), (dv_bad, dv_zero)):
+        hit = ~torch.isfinite(bad_grad)
+        assert torch.equal(hit.cpu(), want)
+        assert torch.equal(bad_grad[~hit], zero_grad[~hit])
+
+
+@pytest.mark.parametrize("case", slow_except([(0,), (4,), (5,), (7,)], keep=(0,), ids=[IDS[i] for i in (0, 4, 5, 7)]))
+def test_fused_backward_split_matches_oracle(case):
+    # The one-pass backward: its full loop masks only the keys past the grid (from dQ).
+    c = CASES[case]
+    dtype = DTYPES[0]
+    q, k, v = inputs(c, dtype, seed=190 + case)
+    out, lse = forward(c, q, k, v, 0.3, split=False)
+    grad_out = make_qkv(c[0], dtype, device=DEVICE, seed=200 + case)[0]
+    grads = gradients(case, q, k, v, out, lse, grad_out, 0.3, fused=True)
+    _, _, kernel, stride, dilation, causal = c[:6]
+    assert_grads_match_oracle(grads, q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel, 0.3, dilation=dilation,
+                              is_causal=causal, stride=stride)
+
+
 def test_launcher_splits_above_the_configs_share():
+    # dK/dV, dit-hunyuan with key boxes (4, 4, 4): about 45 % of the products in full
+    # pairs with query boxes (2, 4, 4), 11 % with (2, 2, 16)
+    assert launch.split_full(0.3, (30, 48, 80), (18, 24, 24), (4, 4, 4), (2, 4, 4), (F, F, F), (1, 1, 1), "keys")
+    assert not launch.split_full(0.3, (30, 48, 80), (18, 24, 24), (4, 4, 4), (2, 2, 16), (F, F, F), (1, 1, 1),
+                                 "keys")
     # dit-hunyuan's grid and window with the DiT forward boxes: about 46 % of the
     # products in full boxes; dit-wan's: about 9 %.
     assert launch.split_full(0.3, (30, 48, 80), (18, 24, 24), (2, 8, 4), (2, 8, 2), (F, F, F), (1, 1, 1))
@@ -156,3 +217,5 @@ def test_launcher_splits_above_the_configs_share():
     assert not launch.split_full(None, (30, 48, 80), (18, 24, 24), (2, 8, 4), (2, 8, 2), (F, F, F), (1, 1, 1))
     with pytest.raises(ValueError, match="split_full"):
         dataclasses.replace(ForwardConfig((2, 2, 4), (1, 2, 8), 4, 2), split_full=1.5)
+    with pytest.raises(ValueError, match="dkdv_split_full"):
+        BackwardConfig((2, 2, 4), (1, 2, 8), (2, 2, 4), (1, 2, 8), 4, 2, dkdv_split_full=-0.1)

@@ -246,6 +246,7 @@ def na3d_bwd_dkdv_kernel(
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT_FULL: tl.constexpr = False,
 ):
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
     K_T x K_H x K_W box of keys, scanning the queries that see any of them (one box
@@ -279,13 +280,15 @@ def na3d_bwd_dkdv_kernel(
     launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
     program reads its share of the flags and ends. ``PDL``: as in the forward kernel.
+    ``SPLIT_FULL``: the query boxes that see every key of the box first, in a loop
+    without the window mask, then the others (``dkdv_scan``).
     """
     FULL_PAIRS: tl.constexpr = no_mask(MASK_T, MASK_H, MASK_W, False)
     run_programs(dkdv_tile, (Q, K, V, DO, STATS, DK, DV, DQ_ACC, Q_DESC, DO_DESC, DQ_DESC, STATS_DESC,
                              (q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides),
                              T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                              (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
-                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ, FULL_PAIRS),
+                             (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ, FULL_PAIRS, SPLIT_FULL),
                  FLAGS, n_tiles, heads, n_programs, GROUP, True, ASSUME_FINITE, REDO, PDL)
 
 
@@ -296,7 +299,7 @@ def dkdv_tile(
     T, H, W, window, tiling, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_BOX: tl.constexpr,
     Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr,
     USE_TMA: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr,
-    SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
+    SPLIT_FULL: tl.constexpr, SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
 ):
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
@@ -343,7 +346,7 @@ def dkdv_tile(
     dk, dv = dkdv_scan(
         dk, dv, k, v, keys, QueryBoxes(Q_DESC, DO_DESC, STATS_DESC, q_base, do_base, q_strides, do_strides, STATS),
         DQ_ACC, DQ_DESC, batch, q_head, heads, batch.to(tl.int64), nb, span, place, qk_scale, cols, HEAD_DIM, BLOCK_D,
-        BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP, ADD_DQ, USE_TMA, BULK_ADD_DQ, FULL_PAIRS, SAFE)
+        BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP, ADD_DQ, USE_TMA, BULK_ADD_DQ, FULL_PAIRS, SPLIT_FULL, SAFE)
     if SAFE:
         in_tile = keys.valid[:, None] & cols.ok[None, :]
         marks = tl.load(head_base(DV, dv_strides, batch, head) + dv_rows[:, None] + cols.d[None, :], mask=in_tile,
@@ -376,7 +379,8 @@ def dkdv_tile(
 def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, heads, bh, nb, span, place, qk_scale,
               cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, Q_BOX: tl.constexpr,
               WINDOW_FLAGS: tl.constexpr, DILATION: tl.constexpr, GROUP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
-              USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr, SAFE: tl.constexpr):
+              USE_TMA: tl.constexpr, BULK_DQ: tl.constexpr, FULL_PAIRS: tl.constexpr, SPLIT_FULL: tl.constexpr,
+              SAFE: tl.constexpr):
     """The dK/dV kernel's scan over ``span``, the query boxes that see its keys
     (``keys``, a ``tiles.Box``; ``k``, ``v`` theirs), of the ``GROUP`` query heads from
     ``first_head`` on, read from ``queries`` (:class:`QueryBoxes`): ``(dk, dv)`` plus
@@ -391,7 +395,10 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
     of every box scanned sees every key of the program's box, and no box runs past
     the scanned range (the launcher's ``MASK_NONE`` on all axes): the fast loop masks
     nothing (the fused backward's keeps its mask: keys past the grid must not reach
-    dQ).
+    dQ). ``SPLIT_FULL`` (otherwise): the query boxes that see every key of the box
+    (``tiles.full_boxes``) first, in a loop without the window mask (the fused
+    backward's masks only keys past the grid), then the others, masked, as the
+    forward's scan splits (the safe loop in the same order).
 
     With ``ACCUMULATE_DQ`` (the fused backward, fast loop only) each step's dQ
     terms go out at once (into ``DQ_ACC``, through ``DQ_DESC`` with ``BULK_DQ``) and
@@ -399,8 +406,8 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
     masked by selection and multiplied by the keys' finite part, with NaN where a
     visible key is non-finite (the count only runs when the program's keys hold a
     non-finite element)."""
-    BLOCK_M: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
     NO_MASK: tl.constexpr = FULL_PAIRS and not SAFE and not ACCUMULATE_DQ
+    SPLIT: tl.constexpr = SPLIT_FULL and not FULL_PAIRS
     # (The scan's steps before the rest of the set-up: this order of the code is the
     # one whose compiled kernels were measured.)
     steps = box_steps(span, Q_BOX)
@@ -408,106 +415,148 @@ def dkdv_scan(dk, dv, k, v, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, h
     if ACCUMULATE_DQ:
         k_finite, k_ok = finite_part(k)
         k_has_nonfinite = has_nonfinite(k)
+    else:  # (unused)
+        k_finite, k_ok, k_has_nonfinite = k, k, False
     scan = box_scan(span, Q_BOX, steps)
-    i_t, i_h, i_w = first_box()
-    for step in tl.range(scan.n_steps * GROUP, num_stages=1 if SAFE else None):
-        c_t, c_h, c_w, qt, qh, qw = box_at(scan, i_t, i_h, i_w, Q_BOX)
-        head = first_head + step % GROUP
-        hd = head.to(tl.int64)
-        if USE_TMA and not SAFE:
-            # Every query box through descriptors. Positions past the scanned range
-            # inside the grid see none of the box's keys (the mask drops them); past
-            # the grid, q, dO, lse and delta read zeros, so whatever the mask says
-            # their dV, dS (and so dK, dQ) terms are exact zeros. Boxes are read in
-            # the dilation group's place (groups.descriptor_origin).
-            c_h += origin[0]
-            c_w += origin[1]
-            q = queries.Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
-                BLOCK_M, BLOCK_D)
-            do = queries.DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
-                BLOCK_M, BLOCK_D)
-            stats = queries.STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, origin[2] * 4]).reshape(BLOCK_M, 2, 2)
-            lse2_pad, delta_pad = tl.split(stats)
-            lse2, _ = tl.split(lse2_pad)
-            delta, _ = tl.split(delta_pad)
-            if not NO_MASK:
-                visible = sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
-            if (DILATION[0] > 1 or DILATION[1] > 1) and not NO_MASK:
-                # The descriptors fold group gt into the H axis and gh into the W axis
-                # (launch.box_descriptor): there a box past its group's end reads the
-                # next group's positions, not zeros, so those queries are masked out.
-                # (Past the T axis' end, and past W's when only W is dilated, the
-                # reads are zeros, as without dilation.)
-                if DILATION[0] > 1 and DILATION[1] > 1:
-                    in_group = (qh < span.h1) & (qw < span.w1)
-                elif DILATION[0] > 1:
-                    in_group = qh < span.h1
-                else:
-                    in_group = qw < span.w1
-                visible &= in_group[None, :]
-            if ACCUMULATE_DQ and not BULK_DQ:
-                q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
-                rows = position_rows(bh, hd, heads, qt, qh, qw, place, DILATION)
-        else:
-            # Queries past the range (neighbours, or repeats of its last one) are
-            # masked out: a duplicate would count twice. (With NO_MASK no box runs
-            # past the range.)
-            if not NO_MASK:
-                q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
-                qt = tl.minimum(qt, span.t1 - 1)
-                qh = tl.minimum(qh, span.h1 - 1)
-                qw = tl.minimum(qw, span.w1 - 1)
-            pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
-            q = load_rows(queries.q_base + (head - first_head) * queries.q_strides[4], queries.q_strides, pt, ph, pw,
-                          cols)
-            do = load_rows(queries.do_base + (head - first_head) * queries.do_strides[4], queries.do_strides, pt, ph,
-                           pw, cols)
-            rows = position_rows(bh, hd, heads, pt, ph, pw, place, DILATION)
-            stats = queries.STATS + stats_index(batch, head, heads, qt, qh, qw, place, DILATION)
-            lse2 = tl.load(stats)
-            delta = tl.load(stats + 1)
-            if not NO_MASK:
-                visible = q_in[None, :] & sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
-        if ACCUMULATE_DQ:
-            # Keys past the grid's end (repeats of the last one) must not reach dQ.
-            visible = visible & keys.valid[:, None]
-        s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        if NO_MASK:
-            p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-        else:
-            p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        if SAFE:
-            do_operand, _ = finite_part(do)
-            q_operand, _ = finite_part(q)
-        else:
-            do_operand = do
-            q_operand = q
-        dv = tl.dot(p_t.to(do.dtype), do_operand, dv, input_precision="ieee")
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SAFE or ACCUMULATE_DQ:
-            ds_t = tl.where(visible, ds_t, 0.0)
-        dk = tl.dot(ds_t.to(q.dtype), q_operand, dk, input_precision="ieee")
-        if ACCUMULATE_DQ:
-            dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k_finite, input_precision="ieee")
-            if k_has_nonfinite:
-                dq_part = tl.where(count_nonfinite(tl.trans(visible), k_ok,
-                                                   tl.zeros([BLOCK_M, BLOCK_D], tl.float32)) > 0,
-                                   float("nan"), dq_part)
-            if BULK_DQ:
-                DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D + origin[2] * heads * BLOCK_D],
-                                   dq_part.reshape(1, Q_BOX[0], Q_BOX[1], Q_BOX[2], BLOCK_D))
+    full, n_masked = split_scan(keys, scan, nb, WINDOW_FLAGS, Q_BOX, SPLIT, False)
+    if SPLIT:
+        i_t, i_h, i_w = first_box()
+        for step in tl.range(full.scan.n_steps * GROUP, num_stages=1 if SAFE else None):
+            dk, dv = dkdv_step(dk, dv, k, v, k_finite, k_ok, k_has_nonfinite, keys, queries, DQ_ACC, DQ_DESC, batch,
+                               first_head, heads, bh, nb, span, place, origin, full.scan, i_t, i_h, i_w, step,
+                               qk_scale, cols, HEAD_DIM, BLOCK_D, BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP,
+                               ACCUMULATE_DQ, USE_TMA, BULK_DQ, SAFE, True)
+            i_t, i_h, i_w = next_query_box(full.scan, full, i_t, i_h, i_w, step, GROUP, False)
+    i_t, i_h, i_w = first_masked_box(full, SPLIT)
+    for step in tl.range(n_masked * GROUP, num_stages=1 if SAFE else None):
+        dk, dv = dkdv_step(dk, dv, k, v, k_finite, k_ok, k_has_nonfinite, keys, queries, DQ_ACC, DQ_DESC, batch,
+                           first_head, heads, bh, nb, span, place, origin, scan, i_t, i_h, i_w, step, qk_scale,
+                           cols, HEAD_DIM, BLOCK_D, BLOCK_N, Q_BOX, WINDOW_FLAGS, DILATION, GROUP, ACCUMULATE_DQ,
+                           USE_TMA, BULK_DQ, SAFE, NO_MASK)
+        i_t, i_h, i_w = next_query_box(scan, full, i_t, i_h, i_w, step, GROUP, SPLIT)
+    return dk, dv
+
+
+@triton.jit
+def next_query_box(scan, full, i_t, i_h, i_w, step, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+    """Box indices after step ``step`` of :func:`dkdv_scan`'s loop over ``scan``: the
+    next box (past the full boxes ``full`` if ``SPLIT``) after a box's last head."""
+    if GROUP > 1:
+        n_t, n_h, n_w = next_masked_box(scan, full, i_t, i_h, i_w, SPLIT)
+        box_done = step % GROUP == GROUP - 1
+        i_t = tl.where(box_done, n_t, i_t)
+        i_h = tl.where(box_done, n_h, i_h)
+        i_w = tl.where(box_done, n_w, i_w)
+    else:
+        i_t, i_h, i_w = next_masked_box(scan, full, i_t, i_h, i_w, SPLIT)
+    return i_t, i_h, i_w
+
+
+@triton.jit
+def dkdv_step(dk, dv, k, v, k_finite, k_ok, k_has_nonfinite, keys, queries, DQ_ACC, DQ_DESC, batch, first_head, heads,
+              bh, nb, span, place, origin, scan, i_t, i_h, i_w, step, qk_scale, cols, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, Q_BOX: tl.constexpr, WINDOW_FLAGS: tl.constexpr,
+              DILATION: tl.constexpr, GROUP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+              BULK_DQ: tl.constexpr, SAFE: tl.constexpr, NO_MASK: tl.constexpr):
+    """One step of :func:`dkdv_scan`: query box ``(i_t, i_h, i_w)`` of ``scan``, head
+    ``first_head + step % GROUP``; ``(dk, dv)`` brought up to date. ``NO_MASK``: every
+    query of the box sees every key of the program's and lies in the scanned range
+    (only keys past the grid are masked, from the fused backward's dQ)."""
+    BLOCK_M: tl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
+    c_t, c_h, c_w, qt, qh, qw = box_at(scan, i_t, i_h, i_w, Q_BOX)
+    head = first_head + step % GROUP
+    hd = head.to(tl.int64)
+    if USE_TMA and not SAFE:
+        # Every query box through descriptors. Positions past the scanned range
+        # inside the grid see none of the box's keys (the mask drops them); past
+        # the grid, q, dO, lse and delta read zeros, so whatever the mask says
+        # their dV, dS (and so dK, dQ) terms are exact zeros. Boxes are read in
+        # the dilation group's place (groups.descriptor_origin).
+        c_h += origin[0]
+        c_w += origin[1]
+        q = queries.Q_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
+            BLOCK_M, BLOCK_D)
+        do = queries.DO_DESC.load([batch, c_t, c_h, c_w, head * HEAD_DIM + origin[2] * heads * HEAD_DIM]).reshape(
+            BLOCK_M, BLOCK_D)
+        stats = queries.STATS_DESC.load([batch * heads + head, c_t, c_h, c_w, origin[2] * 4]).reshape(BLOCK_M, 2, 2)
+        lse2_pad, delta_pad = tl.split(stats)
+        lse2, _ = tl.split(lse2_pad)
+        delta, _ = tl.split(delta_pad)
+        if not NO_MASK:
+            visible = sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
+        if (DILATION[0] > 1 or DILATION[1] > 1) and not NO_MASK:
+            # The descriptors fold group gt into the H axis and gh into the W axis
+            # (launch.box_descriptor): there a box past its group's end reads the
+            # next group's positions, not zeros, so those queries are masked out.
+            # (Past the T axis' end, and past W's when only W is dilated, the
+            # reads are zeros, as without dilation.)
+            if DILATION[0] > 1 and DILATION[1] > 1:
+                in_group = (qh < span.h1) & (qw < span.w1)
+            elif DILATION[0] > 1:
+                in_group = qh < span.h1
             else:
-                tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + cols.d[None, :], dq_part,
-                              mask=q_in[:, None] & cols.ok[None, :], sem="relaxed")
-        if GROUP > 1:  # the box's last head: the next box
-            n_t, n_h, n_w = next_box(scan, i_t, i_h, i_w)
-            box_done = step % GROUP == GROUP - 1
-            i_t = tl.where(box_done, n_t, i_t)
-            i_h = tl.where(box_done, n_h, i_h)
-            i_w = tl.where(box_done, n_w, i_w)
+                in_group = qw < span.w1
+            visible &= in_group[None, :]
+        if ACCUMULATE_DQ and not BULK_DQ:
+            q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
+            rows = position_rows(bh, hd, heads, qt, qh, qw, place, DILATION)
+    else:
+        # Queries past the range (neighbours, or repeats of its last one) are
+        # masked out: a duplicate would count twice. (With NO_MASK no box runs
+        # past the range.)
+        if not NO_MASK:
+            q_in = (qt < span.t1) & (qh < span.h1) & (qw < span.w1)
+            qt = tl.minimum(qt, span.t1 - 1)
+            qh = tl.minimum(qh, span.h1 - 1)
+            qw = tl.minimum(qw, span.w1 - 1)
+        elif ACCUMULATE_DQ:
+            q_in = tl.full([BLOCK_M], True, tl.int1)
+        pt, ph, pw = qt.to(tl.int64), qh.to(tl.int64), qw.to(tl.int64)
+        q = load_rows(queries.q_base + (head - first_head) * queries.q_strides[4], queries.q_strides, pt, ph, pw,
+                      cols)
+        do = load_rows(queries.do_base + (head - first_head) * queries.do_strides[4], queries.do_strides, pt, ph,
+                       pw, cols)
+        rows = position_rows(bh, hd, heads, pt, ph, pw, place, DILATION)
+        stats = queries.STATS + stats_index(batch, head, heads, qt, qh, qw, place, DILATION)
+        lse2 = tl.load(stats)
+        delta = tl.load(stats + 1)
+        if not NO_MASK:
+            visible = q_in[None, :] & sees(qt, qh, qw, keys.t, keys.h, keys.w, nb, WINDOW_FLAGS, True)
+    if ACCUMULATE_DQ:
+        # Keys past the grid's end (repeats of the last one) must not reach dQ.
+        if NO_MASK:
+            visible = tl.broadcast_to(keys.valid[:, None], [BLOCK_N, BLOCK_M])
         else:
-            i_t, i_h, i_w = next_box(scan, i_t, i_h, i_w)
+            visible = visible & keys.valid[:, None]
+    s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+    if NO_MASK:
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+    else:
+        p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+    if SAFE:
+        do_operand, _ = finite_part(do)
+        q_operand, _ = finite_part(q)
+    else:
+        do_operand = do
+        q_operand = q
+    dv = tl.dot(p_t.to(do.dtype), do_operand, dv, input_precision="ieee")
+    dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+    ds_t = p_t * (dp_t - delta[None, :])
+    if ACCUMULATE_DQ or (SAFE and not NO_MASK):
+        ds_t = tl.where(visible, ds_t, 0.0)
+    dk = tl.dot(ds_t.to(q.dtype), q_operand, dk, input_precision="ieee")
+    if ACCUMULATE_DQ:
+        dq_part = tl.dot(tl.trans(ds_t.to(q.dtype)), k_finite, input_precision="ieee")
+        if k_has_nonfinite:
+            dq_part = tl.where(count_nonfinite(tl.trans(visible), k_ok,
+                                               tl.zeros([BLOCK_M, BLOCK_D], tl.float32)) > 0,
+                               float("nan"), dq_part)
+        if BULK_DQ:
+            DQ_DESC.atomic_add([batch, c_t, c_h, c_w, head * BLOCK_D + origin[2] * heads * BLOCK_D],
+                               dq_part.reshape(1, Q_BOX[0], Q_BOX[1], Q_BOX[2], BLOCK_D))
+        else:
+            tl.atomic_add(DQ_ACC + rows[:, None] * BLOCK_D + cols.d[None, :], dq_part,
+                          mask=q_in[:, None] & cols.ok[None, :], sem="relaxed")
     return dk, dv
 
 

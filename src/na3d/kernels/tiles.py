@@ -11,7 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .windows import queries_seeing, seen_by_all, union_of_windows
+from .windows import queries_seeing, seeing_all, seen_by_all, union_of_windows
 
 
 class Span(NamedTuple):
@@ -185,53 +185,67 @@ def next_box(scan, i_t, i_h, i_w):
     return i_t, i_h, i_w
 
 
-# Full boxes. Where every query of a program's box sees every key of a key box,
-# their product needs no mask. A scan that splits (``SPLIT_FULL``, a table's
-# choice) runs the full boxes first, in a loop of their own without the mask's
-# arithmetic, then the other boxes (masked) in its usual order, stepping over the
-# full ones. Its products and their order are the same in the fast and the safe
-# loops, so the non-finite recomputation still matches the fast tile bit for bit.
+# Full boxes. Where every query of a box sees every key of another, their product
+# needs no mask. A scan that splits (``SPLIT_FULL``, a table's choice) runs the
+# full boxes first, in a loop of their own without the mask's arithmetic, then the
+# other boxes (masked) in its usual order, stepping over the full ones. Its
+# products and their order are the same in the fast and the safe loops, so the
+# non-finite recomputation still matches the fast tile bit for bit.
 
 
 class FullBoxes(NamedTuple):
-    """The full key boxes of a scan (:func:`full_key_boxes`): their indices in the
-    scan, ``[t0, t1) x [h0, h1) x [w0, w1)`` as a :class:`Span` of box indices (empty:
+    """The full boxes of a scan (:func:`full_boxes`): their indices in the scan,
+    ``[t0, t1) x [h0, h1) x [w0, w1)`` as a :class:`Span` of box indices (empty:
     ``t0 == t1 == 0``), and the :class:`BoxScan` over them alone."""
     boxes: tl.tensor
     scan: tl.tensor
 
 
 @triton.jit
-def full_key_boxes(box, scan, nb, WINDOW_FLAGS: tl.constexpr, KV_BOX: tl.constexpr):
-    """For a box of queries (``box``, a :class:`Box`) scanning key boxes (``scan``):
-    the :class:`FullBoxes`, those whose keys every query of the box sees.
+def full_range(box, axis: tl.constexpr, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr,
+               OWN_ARE_QUERIES: tl.constexpr):
+    """Along ``axis``, the positions every position of a program's ``box`` pairs with
+    whole: the keys all its queries see (``OWN_ARE_QUERIES``), or the queries that see
+    all its keys; ``[start, stop)``, from the box's first and last position in the
+    grid."""
+    if OWN_ARE_QUERIES:
+        return seen_by_all(box.first[axis], box.last[axis], length, kernel_size, stride, CAUSAL, STRIDED)
+    return seeing_all(box.first[axis], box.last[axis], length, kernel_size, stride, CAUSAL, STRIDED)
 
-    Per axis, the intersection of the windows of the box's first and last position
-    in the grid (``windows.seen_by_all``), in whole boxes of the scan. Along W the
-    full range stops one box short of the scan's last box, so that stepping over it
+
+@triton.jit
+def full_boxes(box, scan, nb, WINDOW_FLAGS: tl.constexpr, SCANNED_BOX: tl.constexpr, OWN_ARE_QUERIES: tl.constexpr):
+    """For a program's ``box`` (a :class:`Box`: of queries for the forward and dQ,
+    ``OWN_ARE_QUERIES``; of keys for dK/dV) scanning boxes of the other kind (``scan``):
+    the :class:`FullBoxes`, those paired whole with every position of ``box``.
+
+    Per axis, :func:`full_range` in whole boxes of the scan. Along W the full range
+    stops one box short of the scan's last box, so that stepping over it
     (:func:`first_masked_box`, :func:`next_masked_box`) never ends a row."""
-    a, b = seen_by_all(box.first[0], box.last[0], nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3])
-    t0, t1 = tl.cdiv(a - scan.t0, KV_BOX[0]), (b - scan.t0) // KV_BOX[0]
-    a, b = seen_by_all(box.first[1], box.last[1], nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3])
-    h0, h1 = tl.cdiv(a - scan.h0, KV_BOX[1]), (b - scan.h0) // KV_BOX[1]
-    a, b = seen_by_all(box.first[2], box.last[2], nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3])
-    w0, w1 = tl.cdiv(a - scan.w0, KV_BOX[2]), tl.minimum((b - scan.w0) // KV_BOX[2], scan.steps_w - 1)
-    # (a - scan start >= 0 and b - scan start > 0: the scan starts at the first query's window)
+    a, b = full_range(box, 0, nb.T, nb.KT, nb.ST, WINDOW_FLAGS[0], WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    t0, t1 = tl.cdiv(a - scan.t0, SCANNED_BOX[0]), (b - scan.t0) // SCANNED_BOX[0]
+    a, b = full_range(box, 1, nb.H, nb.KH, nb.SH, WINDOW_FLAGS[1], WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    h0, h1 = tl.cdiv(a - scan.h0, SCANNED_BOX[1]), (b - scan.h0) // SCANNED_BOX[1]
+    a, b = full_range(box, 2, nb.W, nb.KW, nb.SW, WINDOW_FLAGS[2], WINDOW_FLAGS[3], OWN_ARE_QUERIES)
+    w0, w1 = tl.cdiv(a - scan.w0, SCANNED_BOX[2]), tl.minimum((b - scan.w0) // SCANNED_BOX[2], scan.steps_w - 1)
+    # (a >= the scan's start: the scan starts at the first position's range. b may
+    # lie before it where the range is empty; the division then gives 0 or less.)
     empty = (t1 <= t0) | (h1 <= h0) | (w1 <= w0)
     t0 = tl.where(empty, 0, t0)
     t1 = tl.where(empty, 0, t1)
-    inner = BoxScan(scan.t0 + t0 * KV_BOX[0], scan.h0 + h0 * KV_BOX[1], scan.w0 + w0 * KV_BOX[2], h1 - h0, w1 - w0,
-                    (t1 - t0) * (h1 - h0) * (w1 - w0), scan.off_t, scan.off_h, scan.off_w)
+    inner = BoxScan(scan.t0 + t0 * SCANNED_BOX[0], scan.h0 + h0 * SCANNED_BOX[1], scan.w0 + w0 * SCANNED_BOX[2],
+                    h1 - h0, w1 - w0, (t1 - t0) * (h1 - h0) * (w1 - w0), scan.off_t, scan.off_h, scan.off_w)
     return FullBoxes(Span(t0, t1, h0, h1, w0, w1), inner)
 
 
 @triton.jit
-def split_scan(box, scan, nb, WINDOW_FLAGS: tl.constexpr, KV_BOX: tl.constexpr, SPLIT: tl.constexpr):
-    """A scan over key boxes, split (``SPLIT``) or not: its :class:`FullBoxes` (a
-    placeholder unless split) and the number of the other boxes, which the masked
-    loop scans."""
+def split_scan(box, scan, nb, WINDOW_FLAGS: tl.constexpr, SCANNED_BOX: tl.constexpr, SPLIT: tl.constexpr,
+               OWN_ARE_QUERIES: tl.constexpr = True):
+    """A scan over boxes, split (``SPLIT``) or not: its :class:`FullBoxes`
+    (:func:`full_boxes`; a placeholder unless split) and the number of the other
+    boxes, which the masked loop scans."""
     if SPLIT:
-        full = full_key_boxes(box, scan, nb, WINDOW_FLAGS, KV_BOX)
+        full = full_boxes(box, scan, nb, WINDOW_FLAGS, SCANNED_BOX, OWN_ARE_QUERIES)
         n_masked = scan.n_steps - full.scan.n_steps
     else:
         full = FullBoxes(Span(scan.t0, scan.t0, scan.h0, scan.h0, scan.w0, scan.w0), scan)
@@ -243,7 +257,7 @@ def split_scan(box, scan, nb, WINDOW_FLAGS: tl.constexpr, KV_BOX: tl.constexpr, 
 def skip_full(full, i_t, i_h, i_w):
     """Box indices ``(i_t, i_h, i_w)`` of a scan, moved past the :class:`FullBoxes`
     ``full`` where they reach its first box of a row (to the row's first box after
-    them, which exists: :func:`full_key_boxes`)."""
+    them, which exists: :func:`full_boxes`)."""
     f = full.boxes
     jump = (i_t >= f.t0) & (i_t < f.t1) & (i_h >= f.h0) & (i_h < f.h1) & (i_w == f.w0)
     return i_t, i_h, tl.where(jump, f.w1, i_w)

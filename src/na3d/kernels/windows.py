@@ -94,12 +94,23 @@ def queries_seeing(first_key, last_key, length, kernel_size, stride, CAUSAL: tl.
 
 @triton.jit
 def seen_by_all(first, last, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr):
-    """The keys ``[start, stop)`` that every query of ``first..last`` sees (none where
-    ``start >= stop``): the intersection of their windows, ``[start(last),
-    stop(first))``, since both window ends never decrease with the query index."""
+    """``na3d.geometry.keys_seen_by_all``: the keys ``[start, stop)`` that every query
+    of ``first..last`` sees (none where ``start >= stop``): the intersection of their
+    windows, ``[start(last), stop(first))``, since both window ends never decrease
+    with the query index."""
     start, _ = window_bounds(last, length, kernel_size, stride, CAUSAL, STRIDED)
     _, stop = window_bounds(first, length, kernel_size, stride, CAUSAL, STRIDED)
     return start, stop
+
+
+@triton.jit
+def seeing_all(first_key, last_key, length, kernel_size, stride, CAUSAL: tl.constexpr, STRIDED: tl.constexpr):
+    """``na3d.geometry.queries_seeing_all``: the queries ``[first, stop)`` that see every
+    key of ``first_key..last_key`` (none where ``first >= stop``): those that see its
+    last key and its first, ``[first(last_key), stop(first_key))``."""
+    first, _ = queries_seeing(last_key, last_key, length, kernel_size, stride, CAUSAL, STRIDED)
+    _, stop = queries_seeing(first_key, first_key, length, kernel_size, stride, CAUSAL, STRIDED)
+    return first, stop
 
 
 @triton.jit
