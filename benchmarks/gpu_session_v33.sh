@@ -12,7 +12,7 @@
 #         1.02x of assume_finite on every LTX row).
 # SPLIT = .ab/split against 037d476 (both with PDL): dit-hunyuan forward and backward (issue 33).
 # What it should print (predictions, NOTES v33): "rc=0" after each test step (non-finite tests with PDL:
-# every selected test passed; split tests: 29 passed); the LTX table with new/old near 1.00 on stages 1-5
+# every selected test passed; split tests: 28 passed, bf16: forward, dQ and dK/dV split); the LTX table with new/old near 1.00 on stages 1-5
 # (within 1 %) and new/af near 1.03 (fwd) / 1.02 (bwd) on edge-wide, against about 1.10 / 1.06 for old over
 # assume_finite in v18; the dit-hunyuan summary with new/old near 0.97 (fwd) and 0.98 (bwd). Keep a change
 # only where its numbers hold (sm90.json: dependent_launch; dit_large_window: split_full 0.3 / 0.35).
