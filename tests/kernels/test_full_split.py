@@ -162,7 +162,7 @@ def test_nan_key_in_full_boxes_stays_in_its_windows(case):
     assert torch.equal(dq_bad[~hit], dq_zero[~hit])
 
 
-@pytest.mark.parametrize("case", slow_except([(0,), (4,), (5,)], keep=(0,), ids=[IDS[0], IDS[4], IDS[5]]))
+@pytest.mark.parametrize("case", slow_except([(0,), (1,), (5,)], keep=(0,), ids=[IDS[0], IDS[1], IDS[5]]))
 def test_nan_query_in_full_boxes_stays_in_its_window(case):
     # dK/dV: a query in the middle of the grid lies in the full query boxes of the
     # key programs around it. It reaches the dK and dV rows of the keys it sees
@@ -190,7 +190,7 @@ def test_nan_query_in_full_boxes_stays_in_its_window(case):
         assert torch.equal(bad_grad[~hit], zero_grad[~hit])
 
 
-@pytest.mark.parametrize("case", slow_except([(0,), (4,), (5,), (7,)], keep=(0,), ids=[IDS[i] for i in (0, 4, 5, 7)]))
+@pytest.mark.parametrize("case", slow_except([(0,), (1,), (5,), (7,)], keep=(0,), ids=[IDS[i] for i in (0, 1, 5, 7)]))
 def test_fused_backward_split_matches_oracle(case):
     # The one-pass backward: its full loop masks only the keys past the grid (from dQ).
     c = CASES[case]
