@@ -7,7 +7,7 @@ GPU.
 
     python benchmarks/sass_loop.py [--kernel forward|dq|dkdv] [--q-tile 4 4 4] [--kv-tile 2 2 16]
                                    [--warps 4] [--stages 2] [--maxnreg N] [--no-tma] [--head-dim 64]
-                                   [--split-full] [--dump]
+                                   [--split-full] [--group 8] [--dump]
 
 Defaults: the sm90 table's large-window (11x11x11) config, bf16, head dim 64 (``--head-dim``).
 ``--q-tile``/``--kv-tile`` are the program's own box and the scanned box: for dK/dV
@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--dilation", type=int, nargs=3, default=[1, 1, 1], metavar=("T", "H", "W"),
                         help="NATTEN's dilation")
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA, MQA)")
     parser.add_argument("--split-full", action="store_true",
                         help="full boxes in a loop of their own, without the mask (SPLIT_FULL; dkdv: full query boxes)")
     parser.add_argument("--dump", action="store_true", help="print the loop's instructions")
@@ -92,7 +93,7 @@ def main() -> None:
     tma = not args.no_tma
     # (the first launch, with its check)
     constexprs = dict(HEAD_DIM=args.head_dim, BLOCK_D=args.head_dim, CAUSAL_T=False, CAUSAL_H=False, CAUSAL_W=False,
-                      STRIDED=False, USE_TMA=tma, ASSUME_FINITE=False, REDO=False, GROUP=1,
+                      STRIDED=False, USE_TMA=tma, ASSUME_FINITE=False, REDO=False, GROUP=args.group,
                       **dict(zip(("DIL_T", "DIL_H", "DIL_W"), args.dilation)))
     if args.kernel == "dkdv":
         fn = na3d_bwd_dkdv_kernel

@@ -17,6 +17,7 @@ where the layout allows), bf16 on the GPU.
 """
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -201,6 +202,58 @@ def test_fused_backward_split_matches_oracle(case):
     grads = gradients(case, q, k, v, out, lse, grad_out, 0.3, fused=True)
     _, _, kernel, stride, dilation, causal = c[:6]
     assert_grads_match_oracle(grads, q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel, 0.3, dilation=dilation,
+                              is_causal=causal, stride=stride)
+
+
+# Boxes for the fuzz below: flat, deep and one-axis ones.
+FUZZ_BOXES = [(1, 4, 4), (1, 2, 8), (2, 2, 4), (1, 1, 16), (2, 4, 2), (4, 2, 2), (1, 16, 1), (4, 4, 1), (2, 2, 8)]
+
+
+def split_config(seed):
+    """A random small problem whose forward (and dQ) and dK/dV scans both hold full and
+    masked boxes: (shape, kv_heads, kernel, dilation, causal, stride, [q box, key box,
+    dK/dV key box, dK/dV query box]). Odd lengths, kernel 1 and kernel = length,
+    causal axes, strides, dilation, GQA and B = 2 all come up."""
+    rng = random.Random(1000 + seed)
+    while True:
+        dilation = [rng.choice([1, 1, 1, 2]) for _ in range(3)]
+        lengths = [rng.randint(3, 8) * d for d in dilation]
+        kernel = [rng.choice([1, rng.randint(1, L // d), L // d, L // d]) for L, d in zip(lengths, dilation)]
+        causal = [rng.random() < 0.3 for _ in range(3)]
+        stride = [rng.randint(1, K) if rng.random() < 0.4 else 1 for K in kernel]
+        boxes = [rng.choice(FUZZ_BOXES) for _ in range(4)]
+        grid = launch.group_grid(lengths, dilation)
+        shares = (geometry.full_products_share(grid, kernel, boxes[0], boxes[1], causal, stride),
+                  geometry.full_products_share(grid, kernel, boxes[2], boxes[3], causal, stride, "keys"))
+        every_pair_full = all(launch.block_sparse_axes(boxes[2], boxes[3], kernel, causal, stride, lengths, dilation,
+                                                       own="keys"))
+        if all(0 < share < 1 for share in shares) and not every_pair_full:
+            kv_heads = rng.choice([1, 2])
+            shape = (rng.choice([1, 2]), *lengths, kv_heads * rng.choice([1, 2]), 16)
+            return shape, kv_heads, tuple(kernel), tuple(dilation), tuple(causal), tuple(stride), boxes
+
+
+@pytest.mark.parametrize("seed", slow_except([(s,) for s in range(8)], keep=(0,)))
+def test_split_on_random_configs(seed):
+    # Every kernel split (forward, dQ, dK/dV) on random small problems holding full and
+    # masked boxes (split_config), fp32 through pointers or fp16 through tensor
+    # descriptors; outputs and gradients against the float64 oracle.
+    shape, kv_heads, kernel, dilation, causal, stride, boxes = split_config(seed)
+    fixed = seed % 3 != 0
+    dtype = DTYPES[seed % len(DTYPES)]
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=400 + seed)
+    k, v = k[..., :kv_heads, :].contiguous(), v[..., :kv_heads, :].contiguous()
+    fwd = ForwardConfig(boxes[0], boxes[1], num_warps=4, num_stages=2, fixed_mask=fixed, split_full=0.0)
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.4, return_lse=True, out=poisoned_like(q), config=fwd,
+                                   is_causal=causal, stride=stride, dilation=dilation)
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.4, dilation, causal, stride)
+    bwd = BackwardConfig(boxes[0], boxes[1], boxes[2], boxes[3], num_warps=4, num_stages=2, fixed_mask=fixed,
+                         split_full=0.0, dkdv_split_full=0.0)
+    grad_out = make_qkv(shape, dtype, device=DEVICE, seed=500 + seed)[0]
+    grads = tuple(poisoned_like(t) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.4, grads=grads, config=bwd, is_causal=causal,
+                         stride=stride, dilation=dilation)
+    assert_grads_match_oracle(grads, q.cpu(), k.cpu(), v.cpu(), grad_out.cpu(), kernel, 0.4, dilation=dilation,
                               is_causal=causal, stride=stride)
 
 
