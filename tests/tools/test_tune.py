@@ -119,3 +119,34 @@ def test_backward_tuning_with_given_pairs_launches_and_the_fused_pass(monkeypatc
         ((4, 4, 8), (8, 4, 1), w, 1, f) for w in (4, 8) for f in (False, True)}
     chosen = entry["backward"]
     assert chosen["fused"] is True and chosen["dkdv_num_warps"] == 8 and chosen["dkdv"] == [[4, 4, 8], [8, 4, 1]]
+
+
+def test_tuning_keeps_the_tables_splits(monkeypatch):
+    """A bucket's split_full / dkdv_split_full are not searched: every candidate runs
+    with them (the times are those of the kernels the table will run), and the
+    entries written keep them."""
+    entry, members = bucket_and_members((3, 5, 5))
+    entry["split_full"] = 0.3
+    entry["backward"] = dict(entry["backward"], split_full=0.35, dkdv_split_full=0.4)
+    seen = []
+
+    def measure(spec, candidates, timer, device, budget):
+        seen.extend(candidates)
+        return {tune.config_key(c): 0.5 if c is candidates[-1] else 1.0 for c in candidates}
+
+    def measure_backward(spec, candidates, current, timer, device, budget, fit, fit_spec):
+        seen.extend(candidates)
+        return {tune.backward_key(c): 0.5 if c is candidates[-1] else 1.0 for c in candidates}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    monkeypatch.setattr(tune, "measure_backward", measure_backward)
+    args = argparse.Namespace(launch=["4,2"], bwd_launch=["4,2"], top=1, maxnreg=None, pairs=None, tma_only=True,
+                              dkdv_pairs=None, dkdv_launch=None, fused=False)
+    tune.tune_forward(entry, members, args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
+    tune.tune_backward(entry, members, "sm90", args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
+    forwards = [c for c in seen if isinstance(c, configs.ForwardConfig)]
+    backwards = [c for c in seen if isinstance(c, configs.BackwardConfig)]
+    assert forwards and all(c.split_full == 0.3 for c in forwards)
+    assert backwards and all((c.split_full, c.dkdv_split_full) == (0.35, 0.4) for c in backwards)
+    assert entry["split_full"] == 0.3
+    assert (entry["backward"]["split_full"], entry["backward"]["dkdv_split_full"]) == (0.35, 0.4)
