@@ -216,12 +216,18 @@ def compile_all(arch, first_only=False):
                 fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False,
                                                                   SPLIT_FULL=True, **tiles, **modes, **dil),
                                  dq_warps, dq_stages, dq_cap), "split dQ")
+            dkdv_split = bwd is not None and bwd.get("dkdv_split_full") is not None
             dkdv = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                     dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
-                                         **dual, **dil, **dkdv_masks),
+                                         SPLIT_FULL=dkdv_split, **dual, **dil, **dkdv_masks),
                                     dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
+            if i == 0 and not dkdv_split:
+                fits(compile_for(na3d_bwd_dkdv_kernel, target,
+                                 dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
+                                      SPLIT_FULL=True, **dual, **dil, **PLAIN_MASKS),
+                                 dkdv_warps, dkdv_stages, dkdv_cap), "split dK/dV")
             # The one-pass backward runs only where a table selects it (``fused``): it must
             # fit there; elsewhere it must compile (an explicit config may select it, and a
             # launch that does not fit fails with Triton's out-of-resources error).
@@ -240,7 +246,8 @@ def compile_all(arch, first_only=False):
                 dependent_launch(arch, asm, dq, redo)
                 redo = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                         dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=True,
-                                             **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1), "dK/dV's second launch")
+                                             SPLIT_FULL=dkdv_split, **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1),
+                            "dK/dV's second launch")
                 dependent_launch(arch, asm, dkdv, redo)
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
