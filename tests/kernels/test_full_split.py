@@ -245,9 +245,13 @@ FP32_LSE_MISS = pytest.mark.xfail(strict=True, reason="fp32 dV 1.05x the same-ma
                                                       "the split: the forward's lse rounding (NOTES v34)")
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=[m for m, on in ((pytest.mark.slow, s != 0),
-                                                                        (FP32_LSE_MISS, s == 2)) if on])
-                                  for s in range(8)])
+def fuzz_marks(seed):
+    """Seeds past 0 are slow; seed 2 misses only in fp32 (on a GPU it runs in bf16)."""
+    fp32 = DTYPES[seed % len(DTYPES)] == torch.float32
+    return [m for m, on in ((pytest.mark.slow, seed != 0), (FP32_LSE_MISS, seed == 2 and fp32)) if on]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=fuzz_marks(s)) for s in range(8)])
 def test_split_on_random_configs(seed):
     # Every kernel split (forward, dQ, dK/dV) on random small problems holding full and
     # masked boxes (split_config), fp32 through pointers or fp16 through tensor
