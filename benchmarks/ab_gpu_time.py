@@ -33,6 +33,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="*", help="shape names (default: the LTX benchmark shapes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--dilation", type=int, nargs=3, default=None, help="call with this dilation")
     parser.add_argument("--assume-finite", action="store_true",
                         help="call with assume_finite=True (trees that have it): no check for inf/NaN")
     args = parser.parse_args(argv)
@@ -44,6 +45,10 @@ def main(argv=None) -> None:
     if not (folder / "bench_shapes.json").is_file():
         folder = resources.files("na3d")
     specs = json.loads((folder / "bench_shapes.json").read_text())["shapes"]
+    try:  # the feature rows' base shape (trees that have it)
+        specs.append(__import__("na3d.tools.bench", fromlist=["FEATURE_BASE"]).FEATURE_BASE)
+    except (ImportError, AttributeError):
+        pass
     if args.shapes:
         specs = [s for s in specs if s["name"] in args.shapes]
     else:  # the LTX group (older trees list no groups: only those shapes)
@@ -62,6 +67,8 @@ def time_shape(na3d, spec, timer, args) -> None:
     q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     extra = {"assume_finite": True} if args.assume_finite else {}
+    if args.dilation:
+        extra["dilation"] = tuple(args.dilation)
 
     def forward():
         return na3d.na3d(*leaves, ks, scale=scale, **extra)
@@ -70,13 +77,14 @@ def time_shape(na3d, spec, timer, args) -> None:
         return torch.autograd.grad(forward(), leaves, do)
 
     fwd = [timer(forward, min_runs=20, target_ms=300) for _ in range(args.repeats)]
-    print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "fwd", "gpu_ms": statistics.median(fwd),
+    name = spec["name"] + ("" if not args.dilation else "-d" + "".join(map(str, args.dilation)))
+    print(json.dumps({"tag": args.tag, "name": name, "pass": "fwd", "gpu_ms": statistics.median(fwd),
                       "runs": [round(t, 5) for t in fwd]}), flush=True)
     if args.no_backward:
         return
     bwd = [timer(forward_backward, min_runs=20, target_ms=300) - timer(forward, min_runs=20, target_ms=300)
            for _ in range(args.repeats)]
-    print(json.dumps({"tag": args.tag, "name": spec["name"], "pass": "bwd", "gpu_ms": statistics.median(bwd),
+    print(json.dumps({"tag": args.tag, "name": name, "pass": "bwd", "gpu_ms": statistics.median(bwd),
                       "runs": [round(t, 5) for t in bwd]}), flush=True)
 
 
