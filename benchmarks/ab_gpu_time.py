@@ -69,6 +69,8 @@ def time_shape(na3d, spec, timer, args) -> None:
     extra = {"assume_finite": True} if args.assume_finite else {}
     if args.dilation:
         extra["dilation"] = tuple(args.dilation)
+    if any(x != 1 for x in spec.get("stride", (1, 1, 1))):
+        extra["stride"] = tuple(spec["stride"])
 
     def forward():
         return na3d.na3d(*leaves, ks, scale=scale, **extra)

@@ -1,6 +1,7 @@
 """What a call launches on sm90, compiled here (no GPU needed), at any revision.
 
     python benchmarks/launched_sass.py ROOT --shape B T H W NH HD --kernel KT KH KW [--assume-finite] [--backward]
+        [--redo-in-program]
 
 Imports ``na3d`` from ``ROOT/src`` (a checkout or ``git archive`` of any revision),
 makes its launchers believe the tensors sit on an sm90 GPU (the sm90 table, 132
@@ -8,7 +9,8 @@ SMs) and runs ``launch.na3d_forward`` (and ``na3d_backward``) on CPU tensors of
 the shape, bf16. Each kernel launch is compiled instead of run: Triton's own
 launcher binds the arguments, so the specialization (divisibility, constants) is a
 real launch's. Prints, per launch, the PTX lines, SASS instructions, the key
-loops' lengths (``sass_loop.key_loops``) and the shared memory. Used to compare the
+loops' lengths (``sass_loop.key_loops``), the shared memory and ptxas's register
+and spill counts. Used to compare the
 code two revisions launch for one benchmark shape (NOTES v33: edge-wide at 324d74b
 and now).
 """
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--kernel", type=int, nargs=3, required=True, metavar=("KT", "KH", "KW"))
     parser.add_argument("--assume-finite", action="store_true", help="(trees that have it) no non-finite check")
     parser.add_argument("--backward", action="store_true", help="also the backward's launches")
+    parser.add_argument("--redo-in-program", action="store_true",
+                        help="(trees that have it) every kernel in one launch, redoing flagged tiles in program")
     args = parser.parse_args()
 
     sys.path.insert(0, os.path.join(os.path.abspath(args.root), "src"))
@@ -62,6 +66,13 @@ def main() -> None:
         if module is not None and hasattr(module, "kernels_interpreted"):
             module.kernels_interpreted = lambda: False
 
+    if args.redo_in_program:
+        one_launch = launch.launch_and_redo
+
+        def launch_and_redo(*call_args, **kwargs):
+            return one_launch(*call_args[:9], in_program=True)
+        launch.launch_and_redo = launch_and_redo
+
     compiled = []
 
     def compile_instead(self, grid):
@@ -91,9 +102,25 @@ def main() -> None:
             f.flush()
             sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
         instructions, loops = key_loops(sass)
+        registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm))
         print(f"{name}{' (second launch)' if kwargs.get('REDO') else ''}: warps {kwargs.get('num_warps')}, "
               f"PTX {len(kernel.asm['ptx'].splitlines())} lines, SASS {len(instructions)} instructions, "
-              f"key loops {[len(body) for body in loops]}, shared {kernel.metadata.shared} B")
+              f"key loops {[len(body) for body in loops]}, shared {kernel.metadata.shared} B, {registers}")
+
+
+def ptxas_registers(ptx: str, bin_dir: str) -> str:
+    """ptxas's register and spill report for ``ptx`` (sm_90a), as one line."""
+    import re
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", path, "-o",
+                                 os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return (f"{used.group(1) if used else '?'} registers, "
+            f"spills {spills.group(1) + '/' + spills.group(2) if spills else '?'} B")
 
 
 if __name__ == "__main__":

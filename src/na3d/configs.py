@@ -45,7 +45,11 @@ class ForwardConfig:
     pairs (``geometry.full_products_share``), each program scans those first, in a
     loop without the mask, then the others (``kernels.tiles.FullBoxes``); None: never.
     The masked loop then pays for stepping over the full boxes, so splitting pays
-    only above a share."""
+    only above a share. ``redo_in_program``: unless ``assume_finite``, a program
+    whose tile holds an inf or NaN computes it again the safe way itself, in the one
+    launch (``kernels.programs.run_programs``), instead of a second launch reading
+    flags: no second launch on finite inputs, but the safe code's registers count in
+    the kernel's (``benchmarks/launched_sass.py`` prints them)."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
@@ -55,6 +59,7 @@ class ForwardConfig:
     maxnreg: Optional[int] = None
     fixed_mask: bool = True
     split_full: Optional[float] = None
+    redo_in_program: bool = False
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -98,7 +103,9 @@ class BackwardConfig:
     ``dkdv_maxnreg``: register caps per kernel, as ``ForwardConfig.maxnreg``;
     ``fixed_mask``: as in :class:`ForwardConfig`, for the dQ kernel; ``split_full``: as
     in :class:`ForwardConfig`, for the dQ kernel, and ``dkdv_split_full`` for the dK/dV
-    kernel (full pairs: query boxes that see every key of the program's box).
+    kernel (full pairs: query boxes that see every key of the program's box);
+    ``redo_in_program`` / ``dkdv_redo_in_program``: as ``ForwardConfig.redo_in_program``,
+    for the dQ kernel / the dK/dV kernel (the fused backward's too).
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -116,6 +123,8 @@ class BackwardConfig:
     fixed_mask: bool = True
     split_full: Optional[float] = None
     dkdv_split_full: Optional[float] = None
+    redo_in_program: bool = False
+    dkdv_redo_in_program: bool = False
 
     @property
     def dkdv_warps(self) -> int:
@@ -221,7 +230,8 @@ def forward_config(
         if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
                                          option.get("tma", True), option.get("maxnreg"),
-                                         bool(option.get("fixed_mask", True)), option.get("split_full")))
+                                         bool(option.get("fixed_mask", True)), option.get("split_full"),
+                                         bool(option.get("redo_in_program", False))))
     return best[1]
 
 
@@ -378,7 +388,7 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
                               max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask,
-                              split_full=fwd.split_full)
+                              split_full=fwd.split_full, redo_in_program=fwd.redo_in_program)
     return fit_backward(bwd, shape, kernel_size, fwd.bucket)
 
 
@@ -388,7 +398,7 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
-    ``"split_full"``, ``"dkdv_split_full"``.
+    ``"split_full"``, ``"dkdv_split_full"``, ``"redo_in_program"``, ``"dkdv_redo_in_program"``.
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
     k_box = fit_tile(bwd["dkdv"][0], shape)
@@ -396,4 +406,5 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
-                          bool(bwd.get("fixed_mask", True)), bwd.get("split_full"), bwd.get("dkdv_split_full"))
+                          bool(bwd.get("fixed_mask", True)), bwd.get("split_full"), bwd.get("dkdv_split_full"),
+                          bool(bwd.get("redo_in_program", False)), bool(bwd.get("dkdv_redo_in_program", False)))

@@ -142,18 +142,21 @@ def na3d_forward(
         SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.q_tile, cfg.kv_tile,
                               is_causal, stride))
     launch_and_redo(na3d_fwd_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
-                    cfg.num_stages, cfg.maxnreg, assume_finite)
+                    cfg.num_stages, cfg.maxnreg, assume_finite, cfg.redo_in_program)
     return out, lse
 
 
 def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, num_warps: int, num_stages: int,
-                    maxnreg: Optional[int], assume_finite: bool) -> None:
+                    maxnreg: Optional[int], assume_finite: bool, in_program: bool = False) -> None:
     """Every kernel's two launches (``kernels/programs.py``, ``run_programs``): on
     ``grid`` the fast way, each program setting its entry of ``flags`` where its
     results hold an inf or NaN; then, on :func:`safe_grid`, ``REDO``: the flagged
     programs again, the safe way, on the same warps (so that its products are the
     first launch's, tile for tile) and one pipeline stage. ``assume_finite``: the
-    first launch only, without the check.
+    first launch only, without the check. ``in_program`` (a config's
+    ``redo_in_program``): one launch, each program computing its own tile again the
+    safe way where it holds an inf or NaN (``REDO_IN_PROGRAM``); the flags are then
+    never read.
 
     Where the GPU can (``device.dependent_launch``: Hopper and later) and its table
     says so (``configs.dependent_second_launch``), the second launch is a
@@ -165,9 +168,11 @@ def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, n
     # (cached answers first: this runs on every launch)
     pdl = (not assume_finite and dependent_launch(flags.device)
            and configs.dependent_second_launch(device_arch(flags.device)) and not kernels_interpreted())
+    in_program = in_program and not assume_finite
+    pdl = pdl and not in_program
     kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
-                 num_stages=num_stages, **configs.maxnreg_option(maxnreg))
-    if not assume_finite:
+                 num_stages=num_stages, REDO_IN_PROGRAM=in_program, **configs.maxnreg_option(maxnreg))
+    if not assume_finite and not in_program:
         kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, PDL=pdl, num_warps=num_warps,
                                  num_stages=1, **({"launch_pdl": True} if pdl else {}))
 
@@ -407,7 +412,7 @@ def na3d_backward(
         SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.dq_q_tile,
                               cfg.dq_kv_tile, is_causal, stride), **common)
     launch_and_redo(na3d_bwd_dq_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
-                    cfg.num_stages, cfg.dq_maxnreg, assume_finite)
+                    cfg.num_stages, cfg.dq_maxnreg, assume_finite, cfg.redo_in_program)
 
     use_tma = cfg.tma and tma_layout_ok(q, grad_out, dilation=dilation)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile, dilation) for x in (q, grad_out)] if use_tma else [q, grad_out]
@@ -446,7 +451,7 @@ def dkdv_launch(kernel, tiles, NH: int, B: int, cfg: configs.BackwardConfig, buf
                                                          (KT, KH, KW), cfg.dkdv_k_tile, cfg.dkdv_q_tile, causal,
                                                          (ST, SH, SW), own="keys"))
     launch_and_redo(kernel, (n_tiles, kv_heads, B), args, constexprs, flags, cfg.dkdv_warps, cfg.dkdv_stages,
-                    cfg.dkdv_maxnreg, assume_finite)
+                    cfg.dkdv_maxnreg, assume_finite, cfg.dkdv_redo_in_program)
 
 
 def statistics_buffer(q: torch.Tensor) -> torch.Tensor:

@@ -187,6 +187,10 @@ def compile_all(arch, first_only=False):
                                                                       **tiles, **flags),
                                         warps, 1), "forward's second launch")
                 dependent_launch(arch, asm, fwd, redo)
+                if i == 0:  # one launch, each program redoing its own tile (a config's redo_in_program)
+                    one_launch(arch, asm, fits(compile_for(na3d_fwd_kernel, target, dict(
+                        base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma, REDO=False, REDO_IN_PROGRAM=True,
+                        SPLIT_FULL=split, **tiles, **flags), warps, stages, cap), "forward redoing in program"))
         dq_warps, dq_stages = warps, max(1, stages - 1)
         dkdv_warps, dkdv_stages = dq_warps, dq_stages
         dkdv_k, dkdv_q = q_tile, kv_tile
@@ -249,6 +253,15 @@ def compile_all(arch, first_only=False):
                                              SPLIT_FULL=dkdv_split, **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1),
                             "dK/dV's second launch")
                 dependent_launch(arch, asm, dkdv, redo)
+                if i == 0:
+                    one_launch(arch, asm, fits(compile_for(na3d_bwd_dq_kernel, target, dict(
+                        base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False, REDO_IN_PROGRAM=True, SPLIT_FULL=dq_split,
+                        **tiles, **modes, **dil), dq_warps, dq_stages, dq_cap), "dQ redoing in program"))
+                    for accumulate in (False, True):
+                        one_launch(arch, asm, fits(compile_for(na3d_bwd_dkdv_kernel, target, dict(
+                            base, ACCUMULATE_DQ=accumulate, USE_TMA=use_tma, BULK_DQ=use_tma and accumulate,
+                            REDO=False, REDO_IN_PROGRAM=True, SPLIT_FULL=False, **dual, **dil, **PLAIN_MASKS),
+                            dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV redoing in program"))
             if use_tma:
                 assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv, fused)), bucket
                 assert "cp.reduce.async.bulk.tensor" in fused.asm[asm], f"{bucket}: fused dQ is not a bulk reduction"
@@ -264,6 +277,12 @@ def dependent_launch(arch, asm, first, second):
     waits for the first's results (kernels/programs.py); elsewhere neither is there."""
     signals = ("griddepcontrol.launch_dependents" in first.asm[asm], "griddepcontrol.wait" in second.asm[asm])
     assert signals == ((True, True) if arch == "sm90" else (False, False)), f"{arch}: griddepcontrol {signals}"
+
+
+def one_launch(arch, asm, kernel):
+    """A kernel that redoes flagged tiles in its own programs has no second launch to
+    signal (``REDO_IN_PROGRAM``: the launcher sets PDL off; the kernel ignores it)."""
+    assert "griddepcontrol" not in kernel.asm[asm], f"{arch}: griddepcontrol in a one-launch kernel"
 
 
 def compile_in_fresh_interpreter(*args):

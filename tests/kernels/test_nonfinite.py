@@ -106,6 +106,17 @@ FUZZ_SEEDS = [s if s in QUICK_SEEDS else pytest.param(s, marks=pytest.mark.slow)
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
 def test_fuzz_kernels(seed):
+    fuzz_kernels(seed, in_program=False)
+
+
+# The same problems with each program computing its own flagged tile again, in the
+# one launch (configs' redo_in_program): the same results, bit for bit where finite.
+@pytest.mark.parametrize("seed", [s if s in (0, 3) else pytest.param(s, marks=pytest.mark.slow) for s in range(14)])
+def test_fuzz_kernels_redo_in_program(seed):
+    fuzz_kernels(seed, in_program=True)
+
+
+def fuzz_kernels(seed, in_program):
     rng = random.Random(seed)
     q_tile, kv_tile, kernel, causal, stride = TILINGS[seed % len(TILINGS)]
     grid = tuple(rng.randint(k, k + 3) for k in kernel)
@@ -117,9 +128,9 @@ def test_fuzz_kernels(seed):
     scale = rng.choice((0.3, 0.3, -0.6, 0.0))
     fixed = seed % len(TILINGS) != len(TILINGS) - 1
     tma = rng.random() < 0.7
-    fwd_cfg = ForwardConfig(q_tile, kv_tile, 4, 2, tma=tma, fixed_mask=fixed)
+    fwd_cfg = ForwardConfig(q_tile, kv_tile, 4, 2, tma=tma, fixed_mask=fixed, redo_in_program=in_program)
     bwd_cfg = BackwardConfig(q_tile, kv_tile, (2, 2, 4), (1, 2, 8), 4, 2, fused=seed % 3 == 0, tma=tma,
-                             fixed_mask=fixed)
+                             fixed_mask=fixed, redo_in_program=in_program, dkdv_redo_in_program=in_program)
     q, k, v = make_qkv(shape, dtype, layout, device=DEVICE, seed=seed)
     grad_out = make_qkv(shape, dtype, device=DEVICE, seed=seed + 100)[0]
     bad, zero = inject({"q": q, "k": k, "v": v}, rng, rng.randint(1, 3))

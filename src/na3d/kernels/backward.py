@@ -101,6 +101,7 @@ def na3d_bwd_dq_kernel(
     HAS_DLSE: tl.constexpr, USE_TMA: tl.constexpr, MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr, PDL: tl.constexpr = False,
+    REDO_IN_PROGRAM: tl.constexpr = False,
     SPLIT_FULL: tl.constexpr = False,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch), as the forward kernel's
@@ -111,8 +112,8 @@ def na3d_bwd_dq_kernel(
     the forward kernel. ``MASK_T/H/W``: as in the forward kernel (the launcher
     picks anything but ``MASK_PER_STEP`` only for a positive scale, so a masked
     score scales to -inf). ``FLAGS``, ``REDO``, ``DIL_T/H/W``: as in the forward
-    kernel (``STATS`` stays in full-grid order). ``PDL``, ``SPLIT_FULL``: as in the
-    forward kernel.
+    kernel (``STATS`` stays in full-grid order). ``PDL``, ``SPLIT_FULL``,
+    ``REDO_IN_PROGRAM``: as in the forward kernel.
 
     """
     run_programs(dq_tile, (Q, K, V, O, DO, LSE, DLSE, STATS, DQ, K_DESC, V_DESC,
@@ -120,7 +121,7 @@ def na3d_bwd_dq_kernel(
                            T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                            (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                            (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, HAS_DLSE, USE_TMA, SPLIT_FULL),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL, REDO_IN_PROGRAM)
 
 
 
@@ -246,6 +247,7 @@ def na3d_bwd_dkdv_kernel(
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr,
     GROUP: tl.constexpr, DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     ASSUME_FINITE: tl.constexpr, REDO: tl.constexpr, PDL: tl.constexpr = False,
+    REDO_IN_PROGRAM: tl.constexpr = False,
     SPLIT_FULL: tl.constexpr = False,
 ):
     """Grid: (key tiles, key/value heads, batch). One program: dK and dV of a
@@ -279,8 +281,8 @@ def na3d_bwd_dkdv_kernel(
     ``REDO``: the second launch, on a grid (G,), any G: the programs the first
     launch flagged are computed again the safe way (``kernels.programs``), each by
     one of the G programs in turn; where no flag is set (finite inputs), each
-    program reads its share of the flags and ends. ``PDL``: as in the forward kernel.
-    ``SPLIT_FULL``: the query boxes that see every key of the box first, in a loop
+    program reads its share of the flags and ends. ``PDL``, ``REDO_IN_PROGRAM``: as in
+    the forward kernel. ``SPLIT_FULL``: the query boxes that see every key of the box first, in a loop
     without the window mask, then the others (``dkdv_scan``).
     """
     FULL_PAIRS: tl.constexpr = no_mask(MASK_T, MASK_H, MASK_W, False)
@@ -289,7 +291,7 @@ def na3d_bwd_dkdv_kernel(
                              T, H, W, (KT, KH, KW, ST, SH, SW), (tiles_h, tiles_w), qk_scale, scale, HEAD_DIM, BLOCK_D,
                              (K_T, K_H, K_W), (Q_T, Q_H, Q_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                              (DIL_T, DIL_H, DIL_W), GROUP, USE_TMA, ACCUMULATE_DQ, BULK_DQ, FULL_PAIRS, SPLIT_FULL),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, True, ASSUME_FINITE, REDO, PDL)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, True, ASSUME_FINITE, REDO, PDL, REDO_IN_PROGRAM)
 
 
 

@@ -26,7 +26,8 @@ def na3d_fwd_kernel(
     RETURN_LSE: tl.constexpr, SCALE_SIGN: tl.constexpr, USE_TMA: tl.constexpr,
     MASK_T: tl.constexpr, MASK_H: tl.constexpr, MASK_W: tl.constexpr, GROUP: tl.constexpr,
     DIL_T: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, ASSUME_FINITE: tl.constexpr,
-    REDO: tl.constexpr, PDL: tl.constexpr = False, SPLIT_FULL: tl.constexpr = False,
+    REDO: tl.constexpr, PDL: tl.constexpr = False, REDO_IN_PROGRAM: tl.constexpr = False,
+    SPLIT_FULL: tl.constexpr = False,
 ):
     """Grid: (query tiles * GROUP, key/value heads, batch). One program: a
     Q_T x Q_H x Q_W box of queries of one (batch, head), against the union of their
@@ -76,6 +77,8 @@ def na3d_fwd_kernel(
     program reads its share of the flags and ends. ``PDL``: the second launch
     overlaps the first one's end (programmatic dependent launch, Hopper on;
     ``programs.run_programs``).
+    ``REDO_IN_PROGRAM``: no second launch: a program whose tile holds an inf or NaN
+    computes it again the safe way itself (``programs.run_programs``).
 
     ``SPLIT_FULL``: each program scans first the key boxes that all its queries see
     whole, without a mask, then the others, masked as above (``tiles.FullBoxes``).
@@ -85,7 +88,7 @@ def na3d_fwd_kernel(
                                 (Q_T, Q_H, Q_W), (KV_T, KV_H, KV_W), (CAUSAL_T, CAUSAL_H, CAUSAL_W, STRIDED),
                                 (MASK_T, MASK_H, MASK_W), (DIL_T, DIL_H, DIL_W), GROUP, RETURN_LSE, SCALE_SIGN,
                                 USE_TMA, SPLIT_FULL),
-                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL)
+                 FLAGS, n_tiles, heads, n_programs, GROUP, False, ASSUME_FINITE, REDO, PDL, REDO_IN_PROGRAM)
 
 
 @triton.jit

@@ -45,7 +45,7 @@ class QueryProgram(NamedTuple):
 @triton.jit
 def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
                  GROUP: tl.constexpr, PER_KEY_HEAD: tl.constexpr, ASSUME_FINITE: tl.constexpr,
-                 REDO: tl.constexpr, PDL: tl.constexpr):
+                 REDO: tl.constexpr, PDL: tl.constexpr, REDO_IN_PROGRAM: tl.constexpr = False):
     """A kernel's body, shared by the three: which tile, head and batch element each
     program computes, ``tile_fn(tile, head, batch, heads, *args, SAFE, ASSUME_FINITE)``,
     and its non-finite flag.
@@ -74,7 +74,12 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
     program of the first has started, into the slots of finished ones), and the
     second waits for the first to end and its memory to settle
     (``griddepcontrol.wait``) before reading a flag. Its launch then overlaps the
-    first launch's last programs instead of following them."""
+    first launch's last programs instead of following them.
+
+    ``REDO_IN_PROGRAM``: one launch: a program whose tile holds an inf or NaN
+    computes it again the safe way itself, at once (no flags, no second launch). The
+    safe code then shares the fast kernel's registers and shared memory (ptxas sizes
+    them for the whole kernel), which is why it is a table's choice."""
     if PER_KEY_HEAD:
         grid_heads = heads // GROUP
     else:
@@ -90,27 +95,35 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
                         tile_fn(program % n_tiles, (program // n_tiles) % grid_heads,
                                 program // (n_tiles * grid_heads), heads, *args, True, True)
     elif PER_KEY_HEAD:
-        if PDL and not ASSUME_FINITE:
+        if PDL and not ASSUME_FINITE and not REDO_IN_PROGRAM:
             gdc_launch_dependents()
         head = tl.program_id(1)
         batch = tl.program_id(2)
         tile = tl.program_id(0)
         flag = FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64))
-        if not ASSUME_FINITE:
+        if not ASSUME_FINITE and not REDO_IN_PROGRAM:
             tl.store(flag, tl.zeros([], tl.int8))
         rows = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
         if not ASSUME_FINITE:
-            tl.debug_barrier()  # no 0 lands after a 1
-            tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
+            if REDO_IN_PROGRAM:
+                if tl.max(rows.to(tl.int32), 0) != 0:
+                    tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, True, True)
+            else:
+                tl.debug_barrier()  # no 0 lands after a 1
+                tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
     else:
-        if PDL and not ASSUME_FINITE:
+        if PDL and not ASSUME_FINITE and not REDO_IN_PROGRAM:
             gdc_launch_dependents()
         head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
         batch = tl.program_id(2)
         tile = tl.program_id(0) // GROUP
         nonfinite = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
         if not ASSUME_FINITE:
-            tl.store(FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
+            if REDO_IN_PROGRAM:
+                if nonfinite:
+                    tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, True, True)
+            else:
+                tl.store(FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64)), nonfinite.to(tl.int8))
 
 
 @triton.jit

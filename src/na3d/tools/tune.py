@@ -224,6 +224,7 @@ def backward_key(cfg: configs.BackwardConfig) -> str:
                        **({} if cfg.fixed_mask else {"fixed_mask": False}),
                        **{name: getattr(cfg, name) for name in ("split_full", "dkdv_split_full")
                           if getattr(cfg, name) is not None},
+                       **{name: True for name in ("redo_in_program", "dkdv_redo_in_program") if getattr(cfg, name)},
                        **({"fused": True} if cfg.fused else {})})
 
 
@@ -256,15 +257,16 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
     tma = entry.get("tma", True)
     fixed = bool(entry.get("fixed_mask", True))
     caps = [c or None for c in args.maxnreg] if args.maxnreg else [entry.get("maxnreg")]
-    # The table's split_full (not searched) goes with every candidate: it stays in the
-    # entry, so the times must be those of the kernels the table will run.
+    # The table's split_full and redo_in_program (not searched) go with every candidate:
+    # they stay in the entry, so the times must be those of the kernels the table will run.
     split = entry.get("split_full")
+    redo = bool(entry.get("redo_in_program", False))
     candidates = [configs.ForwardConfig(*current, entry["num_warps"], entry["num_stages"], "candidate", flag, cap,
-                                        fixed_flag, split)
+                                        fixed_flag, split, redo)
                   for flag in ((tma,) if args.tma_only else (tma, not tma)) for cap in caps
                   for fixed_flag in (fixed, not fixed)]
     loads = (True,) if args.tma_only else (True, False)
-    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap, split_full=split)
+    candidates += [configs.ForwardConfig(qt, kt, w, st, "candidate", flag, cap, split_full=split, redo_in_program=redo)
                    for qt, kt in sorted(tiles) for w, st in launches for flag in loads for cap in caps
                    if launch_fits(math.prod(qt), w)]
     log(f"bucket {entry['bucket']} forward: {len(candidates)} candidates on {[s['name'] for s in members]}")
@@ -323,13 +325,14 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
 
     # Register caps, the descriptor flag, fixed_mask and the splits are kept as the table
     # states them (not searched here): every candidate runs with them, and the entry written keeps them.
-    caps = {name: bwd[name] for name in ("dq_maxnreg", "dkdv_maxnreg", "dkdv_split_full")
+    caps = {name: bwd[name] for name in ("dq_maxnreg", "dkdv_maxnreg", "dkdv_split_full", "dkdv_redo_in_program")
             if bwd and bwd.get(name) is not None}
     caps["tma"] = bool((bwd or entry).get("tma", True))
     if not (bwd or entry).get("fixed_mask", True):
         caps["fixed_mask"] = False
-    if (bwd or entry).get("split_full") is not None:  # (a derived backward's dQ takes the forward's)
-        caps["split_full"] = (bwd or entry)["split_full"]
+    for name in ("split_full", "redo_in_program"):  # (a derived backward's dQ takes the forward's)
+        if (bwd or entry).get(name) is not None:
+            caps[name] = (bwd or entry)[name]
 
     def as_config(dq, dkdv, spec=None):
         """A candidate as a config: as the table will state it, or fitted to ``spec``'s shape.
