@@ -9,6 +9,7 @@
 #   2. Dilation (2,2,2) against the plain call, on feature-base and ltx-stage3, table boxes against .ab/dil:
 #      predicted dK/dV products 1.231 -> 1.154 (feature-base), 1.165 -> 1.098 (ltx-stage3) of plain's.
 #   3. The split's bf16 GPU tests, and the GPU tests of the whole tree (-m gpu, stage-5 tiles aside).
+#      (As first run in v35, step 3 lacked PYTHONPATH=src and failed to import; it was rerun by hand.)
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env.txt
@@ -25,10 +26,10 @@ abx table src; abx table src "--dilation 2 2 2"; abx boxes .ab/dil/src "--dilati
 abx boxes .ab/dil/src "--dilation 2 2 2"; abx table src "--dilation 2 2 2"
 echo "=== 3. GPU tests"
 if ! late split tests; then
-  timeout 110 python3 -m pytest -q -n 4 -m "" -x tests/kernels/test_full_split.py > $OUT/split_tests.log 2>&1
+  timeout 110 env PYTHONPATH=src python3 -m pytest -q -n 4 -m "" -x tests/kernels/test_full_split.py > $OUT/split_tests.log 2>&1
   echo "split tests rc=$? at ${SECONDS}s"; tail -2 $OUT/split_tests.log; fi
 if ! late gpu tests; then
-  timeout $((585 - SECONDS)) python3 -m pytest -q -n 4 -m gpu -k "not ltx-stage5-tile" tests > $OUT/gpu_tests.log 2>&1
+  timeout $((585 - SECONDS)) env PYTHONPATH=src python3 -m pytest -q -n 4 -m gpu -k "not ltx-stage5-tile" tests > $OUT/gpu_tests.log 2>&1
   echo "gpu tests rc=$? at ${SECONDS}s"; tail -4 $OUT/gpu_tests.log; fi
 python3 - <<'PY'
 import json, os

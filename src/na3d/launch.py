@@ -166,10 +166,9 @@ def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, n
     (``kernels/programs.py``). Elsewhere, and in the interpreter, the two launch in
     order."""
     # (cached answers first: this runs on every launch)
-    pdl = (not assume_finite and dependent_launch(flags.device)
-           and configs.dependent_second_launch(device_arch(flags.device)) and not kernels_interpreted())
     in_program = in_program and not assume_finite
-    pdl = pdl and not in_program
+    pdl = (not assume_finite and not in_program and dependent_launch(flags.device)
+           and configs.dependent_second_launch(device_arch(flags.device)) and not kernels_interpreted())
     kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
                  num_stages=num_stages, REDO_IN_PROGRAM=in_program, **configs.maxnreg_option(maxnreg))
     if not assume_finite and not in_program:
