@@ -1,0 +1,162 @@
+"""The Gluon sm90 forward for perfectly block-sparse calls (``na3d/kernels/sm90_forward.py``)
+against the portable kernel, on an H100/H200, in one process: exactness first, then time.
+
+    PYTHONPATH=src python benchmarks/sm90_gluon_probe.py [--out DIR] [--quick]
+
+1. Exactness: small block-sparse problems (B > 1, heads > 1, partial query boxes,
+   GQA), bf16 and fp16, head dims 64 and 128, against the float64 oracle
+   (``reference.na3d_brute_force``); the portable kernel's error on the same inputs
+   beside it. Outputs poisoned (NaN) before the launch. A probe passes where its
+   error is at most twice the portable kernel's plus 1e-3 and it wrote every output.
+2. Time (GPU time, CUDA-graph replay, L2 flushed; ``tools.common.Timer``): the strided
+   benchmark rows' forwards, the portable kernel (table config, ``assume_finite``)
+   against the Gluon kernel with key boxes of 64 and 128 and 2-4 slots; dense cuDNN
+   on the same tokens for the speed of light. One JSON line per measurement.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "src")]
+
+from na3d import configs, launch, reference  # noqa: E402
+from na3d.constants import LOG2_E  # noqa: E402
+from na3d.tools.common import Timer  # noqa: E402
+
+ROWS = {
+    "dit-hunyuan-s2x8x8": ((1, 30, 48, 80, 24, 128), (18, 24, 24), (2, 8, 8)),
+    "dit-hunyuan-s2x8x16": ((1, 30, 48, 80, 24, 128), (18, 24, 24), (2, 8, 16)),
+    "video-hd64-s4x4x8": ((1, 32, 64, 64, 16, 64), (16, 16, 16), (4, 4, 8)),
+}
+
+
+def gluon_forward(q, k, v, kernel_size, stride, scale, q_box, kv_box, stages, return_lse=False, out=None):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from na3d.kernels.sm90_forward import na3d_fwd_sm90_kernel
+
+    B, T, H, W, NH, HD = q.shape
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+
+    def desc(x, box):
+        block = [1, *box, HD]
+        return TensorDescriptor(x, [B, T, H, W, x.shape[4] * HD], list(x.stride()[:4]) + [1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if return_lse else out
+    tiles = [-(-n // b) for n, b in zip((T, H, W), q_box)]
+    na3d_fwd_sm90_kernel[(math.prod(tiles), NH, B)](
+        desc(q, q_box), desc(k, kv_box), desc(v, kv_box), out, lse, tuple(out.stride()[:5]), T, H, W,
+        *kernel_size, *stride, tiles[1], tiles[2], NH, scale * LOG2_E,
+        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, return_lse, num_warps=4)
+    return out, (lse if return_lse else None)
+
+
+def check(args, log):
+    cases = [  # (B, T, H, W, NH, NKV, HD), kernel, stride, q box, kv box
+        ((2, 6, 20, 24, 3, 3, 128), (4, 8, 16), (2, 8, 8), (2, 8, 8), (1, 8, 8)),
+        ((2, 6, 20, 24, 3, 3, 128), (4, 8, 16), (2, 8, 8), (2, 8, 8), (2, 8, 8)),
+        ((1, 5, 16, 40, 4, 2, 64), (4, 8, 16), (2, 8, 8), (2, 8, 8), (2, 4, 16)),
+        ((1, 8, 12, 36, 2, 2, 64), (4, 4, 8), (4, 4, 8), (4, 4, 8), (1, 4, 16) if False else (2, 4, 8)),
+    ]
+    ok_all = True
+    for dtype in (torch.bfloat16, torch.float16):
+        for (B, T, H, W, NH, NKV, HD), K, S, qb, kb in cases:
+            if not all(launch.block_sparse_axes(qb, kb, K, (False,) * 3, S, (T, H, W), (1, 1, 1))):
+                log({"check": "skipped, not block-sparse", "shape": [B, T, H, W, NH, HD], "q_box": qb, "kv_box": kb})
+                continue
+            g = torch.Generator(device="cuda").manual_seed(7)
+            q = torch.randn(B, T, H, W, NH, HD, device="cuda", dtype=dtype, generator=g)
+            k = torch.randn(B, T, H, W, NKV, HD, device="cuda", dtype=dtype, generator=g)
+            v = torch.randn(B, T, H, W, NKV, HD, device="cuda", dtype=dtype, generator=g)
+            scale = HD ** -0.5
+            want, want_lse = reference.na3d_brute_force(q.double(), k.double(), v.double(), K, scale, stride=S,
+                                                        return_lse=True)
+            cfg = configs.ForwardConfig(qb, kb, 8 if math.prod(qb) == 128 else 4, 2)
+            port = torch.full_like(q, float("nan"))
+            launch.na3d_forward(q, k, v, K, scale, out=port, config=cfg, stride=S, assume_finite=True)
+            for stages in (2, 3):
+                got = torch.full_like(q, float("nan"))
+                t0 = time.time()
+                _, lse = gluon_forward(q, k, v, K, S, scale, qb, kb, stages, return_lse=True, out=got)
+                torch.cuda.synchronize()
+                err = (got.double() - want).abs().max().item()
+                lse_err = (lse.double() - want_lse).abs().max().item()
+                perr = (port.double() - want).abs().max().item()
+                ok = bool(torch.isfinite(got).all()) and err <= 2 * perr + 1e-3 and lse_err <= 1e-3
+                ok_all &= ok
+                log({"check": "ok" if ok else "FAIL", "dtype": str(dtype), "shape": [B, T, H, W, NH, NKV, HD],
+                     "kernel": K, "stride": S, "q_box": qb, "kv_box": kb, "stages": stages, "max_err": err,
+                     "lse_err": lse_err, "portable_err": perr, "s": round(time.time() - t0, 1)})
+    return ok_all
+
+
+def timing(args, log):
+    timer = Timer("cuda", graphs=True)
+    for name in (["dit-hunyuan-s2x8x8"] if args.quick else ROWS):
+        (B, T, H, W, NH, HD), K, S = ROWS[name]
+        q, k, v = (torch.randn(B, T, H, W, NH, HD, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        scale = HD ** -0.5
+        cfg = configs.forward_config("sm90", (T, H, W), K, HD, torch.bfloat16, S, (False,) * 3)
+        n = T * H * W
+        dq, dk, dv = (x.reshape(B, n, NH, HD).transpose(1, 2).contiguous() for x in (q, k, v))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            dense = timer(lambda: F.scaled_dot_product_attention(dq, dk, dv))
+        sol = dense * math.prod(K) / n
+        log({"row": name, "method": "dense cudnn", "gpu_ms": dense, "sol_ms": sol})
+        ref, _ = launch.na3d_forward(q, k, v, K, scale, config=cfg, stride=S, assume_finite=True)
+        ms = timer(lambda: launch.na3d_forward(q, k, v, K, scale, config=cfg, stride=S, assume_finite=True))
+        log({"row": name, "method": "portable", "q_box": cfg.q_tile, "kv_box": cfg.kv_tile, "gpu_ms": ms,
+             "x_sol": ms / sol})
+        kv_boxes = [cfg.kv_tile] + [b for b in ((1, 8, 8), (2, 4, 8), (1, 8, 16), (2, 8, 8)) if b != cfg.kv_tile]
+        for kb in kv_boxes:
+            if not all(launch.block_sparse_axes(cfg.q_tile, kb, K, (False,) * 3, S, (T, H, W), (1, 1, 1))):
+                continue
+            for stages in (2, 3, 4):
+                slot = math.prod(kb) * HD * 2 * 2
+                if math.prod(cfg.q_tile) * HD * 2 + stages * slot + 64 * HD * 2 > 227 * 1024:
+                    continue
+                try:
+                    got, _ = gluon_forward(q, k, v, K, S, scale, cfg.q_tile, kb, stages)
+                    err = (got.float() - ref.float()).abs().max().item()
+                    ms = timer(lambda: gluon_forward(q, k, v, K, S, scale, cfg.q_tile, kb, stages))
+                    log({"row": name, "method": "gluon", "q_box": cfg.q_tile, "kv_box": kb, "stages": stages,
+                         "gpu_ms": ms, "x_sol": ms / sol, "max_diff_vs_portable": err})
+                except Exception as e:  # a configuration that does not compile or launch
+                    log({"row": name, "method": "gluon", "kv_box": kb, "stages": stages, "error": repr(e)[:300]})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args()
+    sink = open(os.path.join(args.out, "sm90_gluon_probe.jsonl"), "a") if args.out else None
+
+    def log(record):
+        line = json.dumps(record)
+        print(line, flush=True)
+        if sink:
+            sink.write(line + "\n")
+            sink.flush()
+
+    log({"device": torch.cuda.get_device_name(), "torch": torch.__version__})
+    ok = True if args.skip_check else check(args, log)
+    log({"exact": ok})
+    if ok:
+        timing(args, log)
+
+
+if __name__ == "__main__":
+    main()

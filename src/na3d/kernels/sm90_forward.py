@@ -1,0 +1,197 @@
+"""sm90 (Hopper) forward for perfectly block-sparse calls, in Gluon (a probe, not yet measured).
+
+Where a stride makes the pattern perfectly block-sparse (``launch.block_sparse_axes``
+true on all three axes: every query of a box shares one window, and the key boxes
+tile it exactly), each program is dense attention of one box of 128 queries against
+a fixed list of key boxes, with no mask. The portable kernel runs that loop as
+Triton schedules it: each step's products, then its softmax, then the next step's
+products (NOTES v27: about half the tensor cores' rate). Here two warpgroups, each
+its own partition (``gl.warp_specialize``), own half of the box's queries each and
+run independently, so one's softmax can overlap the other's products; inside each,
+the products are asynchronous: this step's softmax runs while the previous step's
+``P V`` is still on the tensor cores, and the next step's ``Q K^T`` is issued before
+this step's ``P V``. The first warpgroup also issues the copies (tensor-memory
+accelerator) of the key and value boxes into a ring of ``STAGES`` shared-memory
+slots, ``STAGES - 1`` steps ahead; a slot is refilled once both warpgroups released
+it ("empty" barrier, two arrivals). (A separate producer warp, FlashAttention 3's
+layout, makes Triton 3.6 park the workers in a 120-register dispatch loop, and
+ptxas then serializes every product: NOTES v37.)
+
+Same arithmetic as the portable kernel (online softmax in the log2 domain, fp32
+accumulators, 16-bit operands); outputs are checked against the float64 oracle.
+Limits (any other call runs the portable kernel): NVIDIA compute capability 9.x,
+bf16/fp16, head dim 64 or 128, positive scale, no causal axis, no dilation, every
+axis block-sparse, 128-query boxes, inputs readable through tensor descriptors,
+finite inputs (no non-finite redo).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _window_start(first, length, kernel_size, stride):
+    """First key of the window that the stride group of query ``first`` shares
+    (``geometry.window_bounds``, non-causal, dilation 1): the group's leader's
+    window, shifted inward at the borders."""
+    leader = gl.minimum((first // stride) * stride + stride // 2, length - 1)
+    return gl.minimum(gl.maximum(leader - kernel_size // 2, 0), length - kernel_size)
+
+
+@gluon.jit
+def _program_place(T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, Q_BOX: gl.constexpr):
+    """This program's box of queries (its first position) and its window's first key."""
+    tile = gl.program_id(0)
+    t0 = (tile // (tiles_h * tiles_w)) * Q_BOX[0]
+    h0 = ((tile // tiles_w) % tiles_h) * Q_BOX[1]
+    w0 = (tile % tiles_w) * Q_BOX[2]
+    return (t0, h0, w0, _window_start(t0, T, KT, ST), _window_start(h0, H, KH, SH), _window_start(w0, W, KW, SW))
+
+
+@gluon.jit
+def _load_step(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j, batch, channel, s_t, s_h, s_w, n_h, n_w,
+               KV_BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the copies of step ``j``'s key and value boxes (scan order: T outermost,
+    W innermost) into slot ``j % STAGES``."""
+    slot = j % STAGES
+    kt = s_t + (j // (n_h * n_w)) * KV_BOX[0]
+    kh = s_h + ((j // n_w) % n_h) * KV_BOX[1]
+    kw = s_w + (j % n_w) * KV_BOX[2]
+    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kt, kh, kw, channel], k_ready.index(slot), k_smem.index(slot))
+    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [batch, kt, kh, kw, channel], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _scores(q, k_smem, k_ready, j, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            s_layout: gl.constexpr, ROWS: gl.constexpr):
+    """Issue step ``j``'s scores ``Q K^T`` (asynchronous) once its keys landed."""
+    slot = j % STAGES
+    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    k = k_smem.index(slot)._reinterpret(k_smem.dtype, [BLOCK_N, HEAD_DIM],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_smem.dtype))
+    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    return warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE, o_strides,
+              T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale,
+              HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """One warpgroup: queries ``HALF * 64 ..`` of the box, the online softmax over
+    every key box, and their output (and lse) rows; the first (``HALF`` 0) also
+    issues the copies."""
+    ROWS: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
+    BLOCK_M: gl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    t0, h0, w0, s_t, s_h, s_w = _program_place(T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, Q_BOX)
+    n_h = KH // KV_BOX[1]
+    n_w = KW // KV_BOX[2]
+    n_steps = (KT // KV_BOX[0]) * n_h * n_w
+    channel = (head // GROUP) * HEAD_DIM
+    if HALF == 0:
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, t0, h0, w0, head * HEAD_DIM], q_ready, q_smem)
+        for i in gl.static_range(STAGES):
+            if i < n_steps:
+                _load_step(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, i, batch, channel, s_t, s_h, s_w,
+                           n_h, n_w, KV_BOX, STAGES)
+    mbarrier.wait(q_ready, 0)
+    q = q_smem._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM],
+                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_smem.dtype))
+    q = q.slice(HALF * ROWS, ROWS, dim=0)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))
+    s = _scores(q, k_smem, k_ready, 0, STAGES, BLOCK_N, HEAD_DIM, s_layout, ROWS)
+    s = warpgroup_mma_wait(0, deps=[s])
+    for j in range(n_steps):
+        slot = j % STAGES
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
+        if HALF == 0:
+            # Step j - 1's slot, once the other warpgroup released it too, takes
+            # step j - 1 + STAGES.
+            if (j > 0) & (j - 1 + STAGES < n_steps):
+                mbarrier.wait(empty.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
+                _load_step(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j - 1 + STAGES, batch, channel,
+                           s_t, s_h, s_w, n_h, n_w, KV_BOX, STAGES)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        s_next = _scores(q, k_smem, k_ready, gl.minimum(j + 1, n_steps - 1), STAGES, BLOCK_N, HEAD_DIM,
+                         s_layout, ROWS)
+        mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+        v = v_smem.index(slot)._reinterpret(v_smem.dtype, [BLOCK_N, HEAD_DIM],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], v_smem.dtype))
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_next])
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index((n_steps + STAGES - 1) % STAGES))
+
+    # Rows of the output: this half's queries, positions inside the box.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    out = gl.convert_layout((acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty),
+                            out_layout)
+    r = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+    t = t0 + r // (Q_BOX[1] * Q_BOX[2])
+    h = h0 + (r // Q_BOX[2]) % Q_BOX[1]
+    w = w0 + r % Q_BOX[2]
+    valid = (t < T) & (h < H) & (w < W)
+    rows = (batch.to(gl.int64) * o_strides[0] + t.to(gl.int64) * o_strides[1] + h.to(gl.int64) * o_strides[2]
+            + w.to(gl.int64) * o_strides[3] + head.to(gl.int64) * o_strides[4])
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+    gl.store(O + rows[:, None] + d[None, :], out, mask=valid[:, None])
+    if RETURN_LSE:
+        lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, gl.SliceLayout(1, out_layout))
+        lse_rows = (((batch * T + t).to(gl.int64) * H + h) * W + w) * heads + head
+        gl.store(LSE + lse_rows, lse, mask=valid)
+
+
+@gluon.jit
+def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, o_strides, T, H, W, KT, KH, KW, ST, SH, SW,
+                         tiles_h, tiles_w, heads, qk_scale,
+                         Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         STAGES: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """Grid: (query boxes, heads, batch); launched with 4 warps (the first
+    warpgroup), the second a worker partition. Q, K, V descriptors over
+    ``(B, T, H, W, NH * HD)`` with blocks of one head's box; O any strides."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE,
+                     o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE)),
+        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE,
+                     o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE)),
+    ], [4], [240])
