@@ -49,7 +49,10 @@ class ForwardConfig:
     whose tile holds an inf or NaN computes it again the safe way itself, in the one
     launch (``kernels.programs.run_programs``), instead of a second launch reading
     flags: no second launch on finite inputs, but the safe code's registers count in
-    the kernel's (``benchmarks/launched_sass.py`` prints them)."""
+    the kernel's (``benchmarks/launched_sass.py`` prints them). ``sm90_gluon``:
+    ``(keys per box, slots)`` of the Gluon sm90 forward for perfectly block-sparse
+    calls (``kernels/sm90_forward.py``; a strided entry's ``"sm90_gluon"``), which
+    ``launch.sm90_block_sparse_boxes`` takes where the call fits it; None: never."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
@@ -60,6 +63,7 @@ class ForwardConfig:
     fixed_mask: bool = True
     split_full: Optional[float] = None
     redo_in_program: bool = False
+    sm90_gluon: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -231,8 +235,14 @@ def forward_config(
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
                                          option.get("tma", True), option.get("maxnreg"),
                                          bool(option.get("fixed_mask", True)), option.get("split_full"),
-                                         bool(option.get("redo_in_program", False))))
+                                         bool(option.get("redo_in_program", False)),
+                                         _sm90_gluon(option.get("sm90_gluon"))))
     return best[1]
+
+
+def _sm90_gluon(entry: Optional[Dict]) -> Optional[Tuple[int, int]]:
+    """A table's ``"sm90_gluon": {"kv_positions", "stages"}`` as ``ForwardConfig.sm90_gluon``."""
+    return None if entry is None else (int(entry["kv_positions"]), int(entry["stages"]))
 
 
 def table_entry(arch: str, kernel_size: Sequence[int], head_dim: int, dtype: torch.dtype) -> Dict:

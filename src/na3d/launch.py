@@ -141,9 +141,75 @@ def na3d_forward(
                      block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)),
         SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.q_tile, cfg.kv_tile,
                               is_causal, stride))
+    gluon = sm90_block_sparse_boxes(q, k, v, cfg, constexprs, scale, is_causal, dilation, (T, H, W), kernel_size,
+                                    stride)
+    if gluon is not None:
+        sm90_block_sparse_forward(q, k, v, out, lse, flags, gluon, cfg.q_tile, kernel_size, stride, scale,
+                                  assume_finite)
+        if not assume_finite:  # the portable kernel redoes the flagged tiles the safe way
+            na3d_fwd_kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, PDL=False,
+                                              num_warps=cfg.num_warps, num_stages=1)
+        return out, lse
     launch_and_redo(na3d_fwd_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
                     cfg.num_stages, cfg.maxnreg, assume_finite, cfg.redo_in_program)
     return out, lse
+
+
+def sm90_block_sparse_boxes(q, k, v, cfg: configs.ForwardConfig, constexprs: dict, scale: float,
+                            is_causal: Sequence[bool], dilation: Sequence[int], spatial: Sequence[int],
+                            kernel_size: Sequence[int], stride: Sequence[int]):
+    """``(kv_box, stages)`` where the call runs the Gluon sm90 forward
+    (``kernels/sm90_forward.py``), else None (the portable kernel). It runs where the
+    config asks for it (``ForwardConfig.sm90_gluon``, a table's strided entry) and
+    the call is inside its limits: an sm90 GPU (not the interpreter), 16-bit inputs
+    that tensor descriptors can read, head dim 64 or 128, a positive scale, no causal
+    axis, no dilation, 128-query boxes and every axis block-sparse (no mask) with
+    the config's query boxes and the Gluon kernel's key boxes."""
+    if cfg.sm90_gluon is None or kernels_interpreted() or device_arch(q.device) != "sm90":
+        return None
+    kv_positions, stages = cfg.sm90_gluon
+    if (q.shape[-1] not in (64, 128) or not scale > 0 or any(is_causal) or any(d != 1 for d in dilation)
+            or math.prod(cfg.q_tile) != 128 or any(constexprs[f"MASK_{a}"] != MASK_NONE for a in "THW")):
+        return None
+    kv_box = list(cfg.kv_tile)
+    while math.prod(kv_box) > kv_positions:  # halve the outermost side above 1 (the window stays tiled)
+        kv_box[next(i for i, n in enumerate(kv_box) if n > 1)] //= 2
+    kv_box = tuple(kv_box)
+    if not all(block_sparse_axes(cfg.q_tile, kv_box, kernel_size, is_causal, stride, spatial, dilation)):
+        return None
+    if not tma_layout_ok(q, k, v):
+        return None
+    return kv_box, stages
+
+
+def sm90_block_sparse_forward(q, k, v, out, lse, flags, gluon, q_box, kernel_size, stride, scale: float,
+                              assume_finite: bool) -> None:
+    """Launch the Gluon sm90 forward (:func:`sm90_block_sparse_boxes` said it may):
+    ``gluon`` its key boxes and slots; unless ``assume_finite``, it sets ``flags``
+    (zeroed here) for the portable kernel's second launch."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels.sm90_forward import na3d_fwd_sm90_kernel
+
+    kv_box, stages = gluon
+    B, T, H, W, NH, HD = q.shape
+    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def descriptor(x, box):
+        block = [1, *box, HD]
+        strides = [st if n > 1 else x.shape[4] * HD * math.prod(x.shape[i + 1:4]) for i, (st, n)
+                   in enumerate(zip(x.stride()[:4], x.shape[:4]))]  # (a size-1 axis: any valid stride)
+        return TensorDescriptor(x, [B, T, H, W, x.shape[4] * HD], strides + [1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, element))
+
+    if not assume_finite:
+        flags.zero_()
+    tiles = [-(-n // b) for n, b in zip((T, H, W), q_box)]
+    na3d_fwd_sm90_kernel[(math.prod(tiles), NH, B)](
+        descriptor(q, q_box), descriptor(k, kv_box), descriptor(v, kv_box), out, lse if lse is not None else out,
+        flags, tuple(out.stride()[:5]), T, H, W, *kernel_size, *stride, tiles[1], tiles[2], NH, scale * LOG2_E,
+        tuple(q_box), kv_box, NH // k.shape[4], HD, stages, lse is not None, not assume_finite, num_warps=4)
 
 
 def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, num_warps: int, num_stages: int,

@@ -78,10 +78,11 @@ def _scores(q, k_smem, k_ready, j, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE, o_strides,
-              T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale,
+def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE, FLAGS,
+              o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale,
               HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
+              OVERLAP: gl.constexpr):
     """One warpgroup: queries ``HALF * 64 ..`` of the box, the online softmax over
     every key box, and their output (and lse) rows; the first (``HALF`` 0) also
     issues the copies."""
@@ -119,6 +120,9 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))
     s = _scores(q, k_smem, k_ready, 0, STAGES, BLOCK_N, HEAD_DIM, s_layout, ROWS)
     s = warpgroup_mma_wait(0, deps=[s])
+    # The probabilities a P V product reads from registers stay alive until the wait
+    # that retires it (``deps``): else the next step's softmax may write over them.
+    p_in_flight = gl.zeros([ROWS, BLOCK_N], k_smem.dtype, p_layout)
     for j in range(n_steps):
         slot = j % STAGES
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -127,7 +131,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p = gl.convert_layout(p.to(k_smem.dtype), p_layout)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
         mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
         if HALF == 0:
             # Step j - 1's slot, once the other warpgroup released it too, takes
@@ -143,14 +147,25 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         v = v_smem.index(slot)._reinterpret(v_smem.dtype, [BLOCK_N, HEAD_DIM],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], v_smem.dtype))
         acc = warpgroup_mma(p, v, acc, is_async=True)
+        p_in_flight = p
+        if not OVERLAP:  # (for measurements: each step's P V finished before the next softmax)
+            acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
         s = warpgroup_mma_wait(1, deps=[s_next])
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
     mbarrier.arrive(empty.index((n_steps + STAGES - 1) % STAGES))
 
     # Rows of the output: this half's queries, positions inside the box.
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    out = gl.convert_layout((acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty),
-                            out_layout)
+    x = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    if CHECK:
+        # The portable kernel's flag (``kernels.programs.run_programs``): 1 where this
+        # program's tile holds an inf or NaN; the flags start at 0 and either half
+        # may set it. The portable kernel's second launch then redoes the tile.
+        bad = gl.max(gl.max(((x != x) | (gl.abs(x) == float("inf"))).to(gl.int32), axis=1), axis=0)
+        if bad != 0:
+            tile = gl.program_id(0)
+            gl.store(FLAGS + tile + gl.num_programs(0) * (head + heads * batch.to(gl.int64)), 1)
+    out = gl.convert_layout(x.to(O.dtype.element_ty), out_layout)
     r = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
     t = t0 + r // (Q_BOX[1] * Q_BOX[2])
     h = h0 + (r // Q_BOX[2]) % Q_BOX[1]
@@ -167,12 +182,14 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
 
 
 @gluon.jit
-def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, o_strides, T, H, W, KT, KH, KW, ST, SH, SW,
+def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW,
                          tiles_h, tiles_w, heads, qk_scale,
                          Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         STAGES: gl.constexpr, RETURN_LSE: gl.constexpr):
+                         STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
+                         OVERLAP: gl.constexpr = True):
     """Grid: (query boxes, heads, batch); launched with 4 warps (the first
-    warpgroup), the second a worker partition. Q, K, V descriptors over
+    warpgroup), the second a worker partition. ``CHECK``: set ``FLAGS`` (int8 per
+    program, zeroed by the caller) where the output holds an inf or NaN. Q, K, V descriptors over
     ``(B, T, H, W, NH * HD)`` with blocks of one head's box; O any strides."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -189,9 +206,9 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, o_strides, T, H, W, KT,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE,
-                     o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE)),
+                     FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP)),
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE,
-                     o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE)),
+                     FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP)),
     ], [4], [240])

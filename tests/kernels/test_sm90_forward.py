@@ -1,0 +1,178 @@
+"""The Gluon sm90 forward for perfectly block-sparse calls (``kernels/sm90_forward.py``).
+
+On the CPU: which calls the launcher hands it (``launch.sm90_block_sparse_boxes``,
+the GPU's answers faked) and that the table's strided entries carry its settings.
+On an sm90 GPU: its outputs and lse against the float64 oracle (bf16 and fp16, head
+dims 64 and 128, B > 1, grouped heads, grids that cut the last boxes short, an output
+view with strides, poisoned outputs), checked to run the Gluon kernel; non-finite
+inputs: NaN exactly where the oracle has it (the portable kernel's second launch
+redoes the flagged tiles), every other output as with the input zeroed.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import na3d
+from na3d import configs, launch
+from helpers import assert_matches_oracle, make_qkv, poisoned_like, tolerance
+
+F = (False, False, False)
+
+
+def fake_sm90(monkeypatch):
+    monkeypatch.setattr(launch, "kernels_interpreted", lambda: False)
+    monkeypatch.setattr(launch, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(launch, "tma_layout_ok", lambda *tensors, **kw: True)
+
+
+def decide(shape, kernel, stride, dtype=torch.bfloat16, scale=0.1, is_causal=F, dilation=(1, 1, 1), cfg=None):
+    B, T, H, W, NH, HD = shape
+    q = torch.empty(shape, dtype=dtype)
+    cfg = cfg or with_gluon(configs.forward_config("sm90", (T, H, W), kernel, HD, dtype, stride, is_causal))
+    modes = launch.mask_modes(cfg.q_tile, cfg.kv_tile, kernel, is_causal, stride, cfg.fixed_mask, (T, H, W),
+                              launch.block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel, is_causal, stride, (T, H, W),
+                                                       dilation))
+    return cfg, launch.sm90_block_sparse_boxes(q, q, q, cfg, modes, scale, is_causal, dilation, (T, H, W), kernel,
+                                               stride)
+
+
+def test_strided_entries_pass_the_gluon_settings_through():
+    entry = {"q_positions": 128, "kv_positions": 128, "num_warps": 8, "num_stages": 3,
+             "sm90_gluon": {"kv_positions": 64, "stages": 4}}
+    option = configs.stride_aligned_option(entry, (30, 48, 80), (18, 24, 24), (2, 8, 8), F)
+    assert configs._sm90_gluon(option.get("sm90_gluon")) == (64, 4)
+    assert configs._sm90_gluon(None) is None
+
+
+def with_gluon(cfg):
+    return dataclasses.replace(cfg, sm90_gluon=(64, 4))
+
+
+def test_block_sparse_calls_take_the_gluon_kernel(monkeypatch):
+    fake_sm90(monkeypatch)
+    cfg, boxes = decide((1, 30, 48, 80, 24, 128), (18, 24, 24), (2, 8, 8))
+    kv_positions, stages = cfg.sm90_gluon
+    kv_box, got_stages = boxes
+    assert got_stages == stages and torch.Size(kv_box).numel() == kv_positions
+    assert all(launch.block_sparse_axes(cfg.q_tile, kv_box, (18, 24, 24), F, (2, 8, 8), (30, 48, 80), (1, 1, 1)))
+
+
+@pytest.mark.parametrize("change", ["causal", "dilation", "negative scale", "fp32", "head dim 32", "stride 1",
+                                    "not sm90", "masked"])
+def test_other_calls_keep_the_portable_kernel(monkeypatch, change):
+    fake_sm90(monkeypatch)
+    shape, kernel, stride = [1, 30, 48, 80, 24, 128], (18, 24, 24), (2, 8, 8)
+    kw = {}
+    if change == "causal":
+        kw["is_causal"] = (True, False, False)
+    elif change == "dilation":
+        kw["dilation"] = (1, 2, 1)
+    elif change == "negative scale":
+        kw["scale"] = -0.1
+    elif change == "fp32":
+        kw["dtype"] = torch.float32
+        kw["cfg"] = dataclasses.replace(configs.forward_config("sm90", (30, 48, 80), kernel, 128, torch.float32,
+                                                               stride, F), sm90_gluon=(64, 4))
+    elif change == "head dim 32":
+        shape[-1] = 32
+    elif change == "stride 1":
+        stride = (1, 1, 1)
+    elif change == "not sm90":
+        monkeypatch.setattr(launch, "device_arch", lambda device: "gfx942")
+    elif change == "masked":  # a stride of 3 along T: boxes of 2 frames straddle its groups
+        stride = (3, 8, 8)
+    cfg, boxes = decide(tuple(shape), kernel, stride, **kw)
+    assert boxes is None
+
+
+# --------------------------------------------------------------------------------
+# GPU (sm90): exactness of the Gluon kernel
+# --------------------------------------------------------------------------------
+
+def on_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and torch.version.hip is None
+
+
+CASES = [  # shape, key/value heads, kernel, stride, (query box, key box), Gluon (keys per box, slots)
+    ((2, 6, 20, 24, 3, 128), 3, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (1, 8, 8)), (64, 4)),
+    ((2, 6, 20, 24, 3, 128), 3, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (2, 8, 8)), (128, 2)),
+    ((1, 5, 16, 40, 4, 64), 2, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (2, 4, 16)), (128, 3)),
+    ((1, 8, 12, 36, 2, 64), 1, (4, 4, 8), (4, 4, 8), ((4, 4, 8), (2, 4, 8)), (64, 4)),
+]
+IDS = ["hd128-kv64", "hd128-kv128", "hd64-gqa-short", "hd64-mqa"]
+
+
+def run_gluon(case, dtype, seed, out=None, assume_finite=False, q=None, k=None, v=None):
+    shape, kv_heads, kernel, stride, (q_box, kv_box), gluon = case
+    if q is None:
+        q, k, v = make_qkv(shape, dtype, device="cuda", seed=seed)
+        k, v = k[..., :kv_heads, :].contiguous(), v[..., :kv_heads, :].contiguous()
+    cfg = configs.ForwardConfig(q_box, kv_box, 8, 2, sm90_gluon=gluon)
+    calls = []
+    launched = launch.sm90_block_sparse_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[6])
+        return launched(*args, **kwargs)
+
+    launch.sm90_block_sparse_forward = spy
+    try:
+        out = poisoned_like(q) if out is None else out
+        out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, return_lse=True, out=out, config=cfg, stride=stride,
+                                       assume_finite=assume_finite)
+    finally:
+        launch.sm90_block_sparse_forward = launched
+    assert calls, "the Gluon kernel did not run"
+    return (q, k, v), out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_gluon_forward_matches_oracle(case, dtype):
+    (q, k, v), out, lse = run_gluon(CASES[case], dtype, seed=300 + case)
+    shape, _, kernel, stride = CASES[case][:4]
+    assert_matches_oracle(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel, 0.3, stride=stride)
+    _, want_lse = na3d.na3d_brute_force(q.cpu().double(), k.cpu().double(), v.cpu().double(), kernel, 0.3,
+                                        stride=stride, return_lse=True)
+    assert (lse.cpu().double() - want_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90(), reason="needs an sm90 (Hopper) GPU")
+def test_gluon_forward_into_a_strided_view():
+    case = CASES[0]
+    q, k, v = make_qkv(case[0], torch.bfloat16, device="cuda", seed=320)
+    wide = torch.full(case[0][:5] + (2 * case[0][5],), float("nan"), dtype=torch.bfloat16, device="cuda")
+    view = wide[..., ::2]
+    run_gluon(case, torch.bfloat16, 0, out=view, q=q, k=k, v=v)
+    assert_matches_oracle(view.cpu(), q.cpu(), k.cpu(), v.cpu(), case[2], 0.3, stride=case[3])
+    assert torch.isnan(wide[..., 1::2]).all(), "wrote outside the view"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("what", ["nan key", "inf value", "nan query"])
+def test_gluon_forward_keeps_nonfinite_inputs_in_their_windows(what):
+    # The Gluon kernel flags the tiles an inf or NaN reaches; the portable kernel's
+    # second launch redoes them the safe way. NaN exactly where the oracle has it;
+    # elsewhere the oracle's values (of the input with the bad element zeroed).
+    case = CASES[0]
+    q, k, v = make_qkv(case[0], torch.bfloat16, device="cuda", seed=330)
+    which, value = {"nan key": (1, float("nan")), "inf value": (2, float("inf")), "nan query": (0, float("nan"))}[what]
+    index = (1, 3, 9, 17, 1, 5)
+    inputs = [q, k, v]
+    zeroed = [t.clone() for t in inputs]
+    inputs[which][index] = value
+    zeroed[which][index] = 0.0
+    _, out, _ = run_gluon(case, torch.bfloat16, 0, q=q, k=k, v=v)
+    want = na3d.na3d_brute_force(*(t.cpu().double() for t in inputs), case[2], 0.3, stride=case[3])
+    assert torch.equal(torch.isnan(out.cpu()), torch.isnan(want)), "NaN outside the windows the input reaches"
+    assert torch.isnan(want).any()
+    clean = na3d.na3d_brute_force(*(t.cpu().double() for t in zeroed), case[2], 0.3, stride=case[3])
+    keep = ~torch.isnan(want)
+    tol = tolerance(*(t.cpu() for t in zeroed), case[2], 0.3, clean, stride=case[3])
+    assert (out.cpu().double()[keep] - clean[keep]).abs().max().item() <= tol
