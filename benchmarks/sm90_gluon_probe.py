@@ -38,7 +38,7 @@ ROWS = {
 
 
 def gluon_forward(q, k, v, kernel_size, stride, scale, q_box, kv_box, stages, return_lse=False, out=None,
-                  overlap=True):
+                  overlap=True, pingpong=True):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from na3d.kernels.sm90_forward import na3d_fwd_sm90_kernel
@@ -58,7 +58,8 @@ def gluon_forward(q, k, v, kernel_size, stride, scale, q_box, kv_box, stages, re
     na3d_fwd_sm90_kernel[(math.prod(tiles), NH, B)](
         desc(q, q_box), desc(k, kv_box), desc(v, kv_box), out, lse, out, tuple(out.stride()[:5]), T, H, W,
         *kernel_size, *stride, tiles[1], tiles[2], NH, scale * LOG2_E,
-        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, return_lse, False, overlap, num_warps=4)
+        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, return_lse, False, overlap, pingpong,
+        num_warps=4)
     return out, (lse if return_lse else None)
 
 
@@ -85,12 +86,12 @@ def check(args, log):
             cfg = configs.ForwardConfig(qb, kb, 8 if math.prod(qb) == 128 else 4, 2)
             port = torch.full_like(q, float("nan"))
             launch.na3d_forward(q, k, v, K, scale, out=port, config=cfg, stride=S, assume_finite=True)
-            for stages, overlap in ((2, True), (3, True), (2, False)):
+            for stages, overlap, pingpong in ((3, True, True), (4, True, True), (3, True, False), (3, False, True)):
                 got = torch.full_like(q, float("nan"))
                 t0 = time.time()
                 try:
                     _, lse = gluon_forward(q, k, v, K, S, scale, qb, kb, stages, return_lse=True, out=got,
-                                           overlap=overlap)
+                                           overlap=overlap, pingpong=pingpong)
                     torch.cuda.synchronize()
                 except Exception as e:  # e.g. more shared memory than the GPU has
                     log({"check": "skipped", "q_box": qb, "kv_box": kb, "stages": stages, "error": repr(e)[:200]})
@@ -104,6 +105,7 @@ def check(args, log):
                 ok_all &= ok
                 record = {"check": "ok" if ok else "FAIL", "dtype": str(dtype), "shape": [B, T, H, W, NH, NKV, HD],
                           "kernel": K, "stride": S, "q_box": qb, "kv_box": kb, "stages": stages, "overlap": overlap,
+                          "pingpong": pingpong,
                           "max_err": err, "lse_err": lse_err, "portable_err": perr, "s": round(time.time() - t0, 1)}
                 if not ok:  # where it goes wrong: NaN share, per box row half and column, error where finite
                     rows = nan.any(-1)  # (B, T, H, W, NH)
@@ -139,16 +141,15 @@ def timing(args, log):
         for kb in kv_boxes:
             if not all(launch.block_sparse_axes(cfg.q_tile, kb, K, (False,) * 3, S, (T, H, W), (1, 1, 1))):
                 continue
-            for stages in (2, 3, 4):
-                slot = math.prod(kb) * HD * 2 * 2
-                if math.prod(cfg.q_tile) * HD * 2 + stages * slot + 64 * HD * 2 > 227 * 1024:
-                    continue
+            slot = math.prod(kb) * HD * 2 * 2
+            most = (232448 - 2048 - math.prod(cfg.q_tile) * HD * 2) // slot
+            for stages, pingpong in [(st, True) for st in range(3, most + 1)] + [(most, False)]:
                 try:
-                    got, _ = gluon_forward(q, k, v, K, S, scale, cfg.q_tile, kb, stages)
+                    got, _ = gluon_forward(q, k, v, K, S, scale, cfg.q_tile, kb, stages, pingpong=pingpong)
                     err = (got.float() - ref.float()).abs().max().item()
-                    ms = timer(lambda: gluon_forward(q, k, v, K, S, scale, cfg.q_tile, kb, stages))
+                    ms = timer(lambda: gluon_forward(q, k, v, K, S, scale, cfg.q_tile, kb, stages, pingpong=pingpong))
                     log({"row": name, "method": "gluon", "q_box": cfg.q_tile, "kv_box": kb, "stages": stages,
-                         "gpu_ms": ms, "x_sol": ms / sol, "max_diff_vs_portable": err})
+                         "pingpong": pingpong, "gpu_ms": ms, "x_sol": ms / sol, "max_diff_vs_portable": err})
                 except Exception as e:  # a configuration that does not compile or launch
                     log({"row": name, "method": "gluon", "kv_box": kb, "stages": stages, "error": repr(e)[:300]})
 

@@ -78,14 +78,21 @@ def _scores(q, k_smem, k_ready, j, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE, FLAGS,
+def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O, LSE, FLAGS,
               o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale,
               HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: queries ``HALF * 64 ..`` of the box, the online softmax over
-    every key box, and their output (and lse) rows; the first (``HALF`` 0) also
-    issues the copies."""
+    every key box, and their output (and lse) rows.
+
+    The two warpgroups take turns issuing their products (``turn``: each waits for
+    its barrier, issues the next step's ``Q K^T`` and this step's ``P V``, then
+    lets the other go), so that one's softmax runs while the other's products do
+    (FlashAttention 3's "ping-pong"); the first goes first. The second, which is
+    therefore half a step behind, issues the copies: a slot it has released, the
+    first has too, so it refills it without waiting."""
+    LOADER: gl.constexpr = 1
     ROWS: gl.constexpr = 64
     BLOCK_N: gl.constexpr = KV_BOX[0] * KV_BOX[1] * KV_BOX[2]
     BLOCK_M: gl.constexpr = Q_BOX[0] * Q_BOX[1] * Q_BOX[2]
@@ -103,7 +110,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     n_w = KW // KV_BOX[2]
     n_steps = (KT // KV_BOX[0]) * n_h * n_w
     channel = (head // GROUP) * HEAD_DIM
-    if HALF == 0:
+    if HALF == LOADER:
         mbarrier.expect(q_ready, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, t0, h0, w0, head * HEAD_DIM], q_ready, q_smem)
         for i in gl.static_range(STAGES):
@@ -133,30 +140,36 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         p = gl.convert_layout(p.to(k_smem.dtype), p_layout)
         acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
         mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
-        if HALF == 0:
-            # Step j - 1's slot, once the other warpgroup released it too, takes
-            # step j - 1 + STAGES.
+        if HALF == LOADER:
+            # Step j - 1's slot, once the other warpgroup released it too (it has:
+            # it runs ahead), takes step j - 1 + STAGES.
             if (j > 0) & (j - 1 + STAGES < n_steps):
                 mbarrier.wait(empty.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
                 _load_step(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j - 1 + STAGES, batch, channel,
                            s_t, s_h, s_w, n_h, n_w, KV_BOX, STAGES)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if PINGPONG:
+            mbarrier.wait(turn.index(HALF), j & 1)
         s_next = _scores(q, k_smem, k_ready, gl.minimum(j + 1, n_steps - 1), STAGES, BLOCK_N, HEAD_DIM,
                          s_layout, ROWS)
         mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
         v = v_smem.index(slot)._reinterpret(v_smem.dtype, [BLOCK_N, HEAD_DIM],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], v_smem.dtype))
         acc = warpgroup_mma(p, v, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF))
         p_in_flight = p
         if not OVERLAP:  # (for measurements: each step's P V finished before the next softmax)
             acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
+            acc = warpgroup_mma_init(acc)
         s = warpgroup_mma_wait(1, deps=[s_next])
     acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
     mbarrier.arrive(empty.index((n_steps + STAGES - 1) % STAGES))
 
-    # Rows of the output: this half's queries, positions inside the box.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    x = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    # Rows of the output: this half's queries, positions inside the box, stored
+    # from the accumulator's own layout (no shared memory for a layout change).
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    x = acc / l_o[:, None]
     if CHECK:
         # The portable kernel's flag (``kernels.programs.run_programs``): 1 where this
         # program's tile holds an inf or NaN; the flags start at 0 and either half
@@ -165,20 +178,19 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         if bad != 0:
             tile = gl.program_id(0)
             gl.store(FLAGS + tile + gl.num_programs(0) * (head + heads * batch.to(gl.int64)), 1)
-    out = gl.convert_layout(x.to(O.dtype.element_ty), out_layout)
-    r = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+    r = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     t = t0 + r // (Q_BOX[1] * Q_BOX[2])
     h = h0 + (r // Q_BOX[2]) % Q_BOX[1]
     w = w0 + r % Q_BOX[2]
     valid = (t < T) & (h < H) & (w < W)
     rows = (batch.to(gl.int64) * o_strides[0] + t.to(gl.int64) * o_strides[1] + h.to(gl.int64) * o_strides[2]
             + w.to(gl.int64) * o_strides[3] + head.to(gl.int64) * o_strides[4])
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-    gl.store(O + rows[:, None] + d[None, :], out, mask=valid[:, None])
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + rows[:, None] + d[None, :], x.to(O.dtype.element_ty), mask=valid[:, None])
     if RETURN_LSE:
-        lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, gl.SliceLayout(1, out_layout))
         lse_rows = (((batch * T + t).to(gl.int64) * H + h) * W + w) * heads + head
-        gl.store(LSE + lse_rows, lse, mask=valid)
+        gl.store(LSE + lse_rows, (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o))
+                 * 0.6931471805599453, mask=valid)
 
 
 @gluon.jit
@@ -186,7 +198,7 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
                          tiles_h, tiles_w, heads, qk_scale,
                          Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
-                         OVERLAP: gl.constexpr = True):
+                         OVERLAP: gl.constexpr = True, PINGPONG: gl.constexpr = True):
     """Grid: (query boxes, heads, batch); launched with 4 warps (the first
     warpgroup), the second a worker partition. ``CHECK``: set ``FLAGS`` (int8 per
     program, zeroed by the caller) where the output holds an inf or NaN. Q, K, V descriptors over
@@ -198,17 +210,21 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0))  # the first warpgroup's first turn
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE,
-                     FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP)),
-        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, O, LSE,
-                     FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP)),
+        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
+                     LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG)),
+        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
+                     LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG)),
     ], [4], [240])
