@@ -1,4 +1,4 @@
-"""sm90 (Hopper) forward for perfectly block-sparse calls, in Gluon (a probe, not yet measured).
+"""sm90 (Hopper) forward for perfectly block-sparse calls, in Gluon.
 
 Where a stride makes the pattern perfectly block-sparse (``launch.block_sparse_axes``
 true on all three axes: every query of a box shares one window, and the key boxes
@@ -6,23 +6,24 @@ tile it exactly), each program is dense attention of one box of 128 queries agai
 a fixed list of key boxes, with no mask. The portable kernel runs that loop as
 Triton schedules it: each step's products, then its softmax, then the next step's
 products (NOTES v27: about half the tensor cores' rate). Here two warpgroups, each
-its own partition (``gl.warp_specialize``), own half of the box's queries each and
-run independently, so one's softmax can overlap the other's products; inside each,
-the products are asynchronous: this step's softmax runs while the previous step's
-``P V`` is still on the tensor cores, and the next step's ``Q K^T`` is issued before
-this step's ``P V``. The first warpgroup also issues the copies (tensor-memory
-accelerator) of the key and value boxes into a ring of ``STAGES`` shared-memory
-slots, ``STAGES - 1`` steps ahead; a slot is refilled once both warpgroups released
-it ("empty" barrier, two arrivals). (A separate producer warp, FlashAttention 3's
-layout, makes Triton 3.6 park the workers in a 120-register dispatch loop, and
-ptxas then serializes every product: NOTES v37.)
+its own partition (``gl.warp_specialize``), own half of the box's queries and take
+turns at the tensor cores (an mbarrier each: one's softmax runs while the other's
+products do); inside each, the products are asynchronous: this step's softmax runs
+while the previous step's ``P V`` is still on the tensor cores, and the next step's
+``Q K^T`` is issued with this step's ``P V``. The second warpgroup, half a step
+behind the first, issues the copies (tensor-memory accelerator) of the key and value
+boxes into a ring of ``STAGES`` shared-memory slots; a slot is refilled once both
+warpgroups released it ("empty" barrier, two arrivals). (A separate producer warp,
+FlashAttention 3's layout, makes Triton 3.6 park the workers in a 120-register
+dispatch loop, and ptxas then serializes every product: NOTES v37.)
 
 Same arithmetic as the portable kernel (online softmax in the log2 domain, fp32
 accumulators, 16-bit operands); outputs are checked against the float64 oracle.
 Limits (any other call runs the portable kernel): NVIDIA compute capability 9.x,
 bf16/fp16, head dim 64 or 128, positive scale, no causal axis, no dilation, every
-axis block-sparse, 128-query boxes, inputs readable through tensor descriptors,
-finite inputs (no non-finite redo).
+axis block-sparse, 128-query boxes, inputs readable through tensor descriptors.
+Non-finite inputs: the kernel sets the portable kernel's per-program flags, and the
+portable kernel's second launch redoes those tiles the safe way.
 """
 
 from triton.experimental import gluon
