@@ -11,6 +11,9 @@ zeroed-input run where the input cannot reach.
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,3 +200,91 @@ def test_gluon_forward_keeps_nonfinite_inputs_in_their_windows(what):
         unreached = want == want_z
         assert torch.equal(got[unreached], got_z[unreached])
     assert not torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------------
+# CPU: the table's Gluon configurations compile for sm90, fit its shared memory,
+# and ptxas keeps their products asynchronous (NOTES v37: a producer partition
+# made it serialize them, with a warning and no error)
+# --------------------------------------------------------------------------------
+
+SM90_SHARED = 232448  # bytes of shared memory one block may opt into on H100/H200
+
+
+def table_gluon_configs():
+    """(head dim, query box, key box, slots) of every sm90_gluon the sm90 table sets."""
+    found = []
+    for entry in configs.load_table("sm90")["forward"]:
+        gluon = entry.get("strided", {}).get("sm90_gluon")
+        if gluon is None:
+            continue
+        when = entry.get("when", {})
+        head_dim = 128 if when.get("head_dim_min", 0) > 64 else 64  # (the buckets before take the others)
+        kv_box = (2, 8, 8) if gluon["kv_positions"] == 128 else (1, 8, 8)
+        found.append((head_dim, (2, 8, 8), kv_box, gluon["stages"]))
+    return found
+
+
+def compile_gluon_for_sm90(head_dim, q_box, kv_box, stages):
+    """Compile the Gluon forward for sm90 (no GPU: a driver that answers sm90); return
+    (shared memory bytes, ptxas's report)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.driver import driver
+
+    from na3d.kernels.sm90_forward import na3d_fwd_sm90_kernel
+
+    class Sm90Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    driver.set_active(Sm90Driver())
+    B, T, H, W, NH = 1, 8, 32, 32, 2
+    x = torch.empty(B, T, H, W, NH, head_dim, dtype=torch.bfloat16)
+
+    def descriptor(box):
+        block = [1, *box, head_dim]
+        return TensorDescriptor(x, [B, T, H, W, NH * head_dim], list(x.stride()[:4]) + [1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+    lse = torch.empty(B, T, H, W, NH)
+    flags = torch.empty(64, dtype=torch.int8)
+    kernel = na3d_fwd_sm90_kernel.warmup(
+        descriptor(q_box), descriptor(kv_box), descriptor(kv_box), x, lse, flags, tuple(x.stride()[:5]), T, H, W,
+        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, True, True, grid=(1,), num_warps=4)
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx, "-o",
+                                 os.path.join(folder, "kernel.cubin")], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr[-2000:]
+    return kernel.metadata.shared, report.stderr
+
+
+@pytest.mark.parametrize("build", table_gluon_configs() or [pytest.param(None, marks=pytest.mark.skip)],
+                         ids=lambda b: "none" if b is None else f"hd{b[0]}-kv{'x'.join(map(str, b[2]))}-s{b[3]}")
+def test_table_gluon_configurations_compile_for_sm90(build):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      env.get("PYTHONPATH")]))  # (tests/, for helpers)
+    done = subprocess.run([sys.executable, __file__, *map(str, [build[0], *build[1], *build[2], build[3]])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+if __name__ == "__main__":  # one build in a fresh interpreter (the test session may interpret kernels)
+    values = [int(a) for a in sys.argv[1:]]
+    shared, report = compile_gluon_for_sm90(values[0], tuple(values[1:4]), tuple(values[4:7]), values[7])
+    assert shared <= SM90_SHARED, f"{shared} bytes of shared memory, {SM90_SHARED} available"
+    assert "C751" not in report, f"ptxas serializes the products: {report}"
+    print(shared, report.strip().splitlines()[-2:])
