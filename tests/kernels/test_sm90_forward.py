@@ -143,7 +143,7 @@ def run_gluon(case, dtype, seed, out=None, assume_finite=False, q=None, k=None, 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not on_sm90(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.skipif(not on_sm90(), reason="needs a GPU of compute capability 9.x (Hopper)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
 def test_gluon_forward_matches_oracle(case, dtype):
@@ -156,7 +156,7 @@ def test_gluon_forward_matches_oracle(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not on_sm90(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.skipif(not on_sm90(), reason="needs a GPU of compute capability 9.x (Hopper)")
 def test_gluon_forward_into_a_strided_view():
     # An output whose rows are padded (head dim contiguous, as the API requires).
     case = CASES[0]
@@ -169,7 +169,7 @@ def test_gluon_forward_into_a_strided_view():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not on_sm90(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.skipif(not on_sm90(), reason="needs a GPU of compute capability 9.x (Hopper)")
 @pytest.mark.parametrize("what", ["nan key", "inf value", "-inf query"])
 def test_gluon_forward_keeps_nonfinite_inputs_in_their_windows(what):
     # The Gluon kernel flags the tiles an inf or NaN reaches; the portable kernel's
