@@ -27,7 +27,6 @@ import torch.nn.functional as F
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "src")]
 
 from na3d import configs, launch, reference  # noqa: E402
-from na3d.constants import LOG2_E  # noqa: E402
 from na3d.tools.common import Timer  # noqa: E402
 
 ROWS = {
@@ -39,28 +38,14 @@ ROWS = {
 
 def gluon_forward(q, k, v, kernel_size, stride, scale, q_box, kv_box, stages, return_lse=False, out=None,
                   overlap=True, pingpong=True):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from na3d.kernels.sm90_forward import na3d_fwd_sm90_kernel
-
-    B, T, H, W, NH, HD = q.shape
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-
-    def desc(x, box):
-        block = [1, *box, HD]
-        return TensorDescriptor(x, [B, T, H, W, x.shape[4] * HD], list(x.stride()[:4]) + [1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdt))
-
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty((B, T, H, W, NH), dtype=torch.float32, device=q.device) if return_lse else out
-    tiles = [-(-n // b) for n, b in zip((T, H, W), q_box)]
-    na3d_fwd_sm90_kernel[(math.prod(tiles), NH, B)](
-        desc(q, q_box), desc(k, kv_box), desc(v, kv_box), out, lse, out, tuple(out.stride()[:5]), T, H, W,
-        *kernel_size, *stride, tiles[1], tiles[2], NH, scale * LOG2_E,
-        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, return_lse, False, overlap, pingpong,
-        num_warps=4)
-    return out, (lse if return_lse else None)
+    """The launcher's Gluon launch (``launch.sm90_block_sparse_forward``) with any boxes
+    and slots, no non-finite check, and the kernel's measurement switches."""
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:5], dtype=torch.float32, device=q.device) if return_lse else None
+    unused_flags = torch.empty(1, dtype=torch.int8, device=q.device)
+    launch.sm90_block_sparse_forward(q, k, v, out, lse, unused_flags, stages, q_box, kv_box, kernel_size, stride,
+                                     scale, True, OVERLAP=overlap, PINGPONG=pingpong)
+    return out, lse
 
 
 def check(args, log):

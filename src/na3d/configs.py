@@ -49,10 +49,11 @@ class ForwardConfig:
     whose tile holds an inf or NaN computes it again the safe way itself, in the one
     launch (``kernels.programs.run_programs``), instead of a second launch reading
     flags: no second launch on finite inputs, but the safe code's registers count in
-    the kernel's (``benchmarks/launched_sass.py`` prints them). ``sm90_gluon``:
-    ``(keys per box, slots)`` of the Gluon sm90 forward for perfectly block-sparse
-    calls (``kernels/sm90_forward.py``; a strided entry's ``"sm90_gluon"``), which
-    ``launch.sm90_block_sparse_boxes`` takes where the call fits it; None: never."""
+    the kernel's (``benchmarks/launched_sass.py`` prints them). ``sm90_gluon``: the
+    shared-memory slots of the Gluon sm90 forward for perfectly block-sparse calls
+    (``kernels/sm90_forward.py``, with this config's boxes; a strided entry's
+    ``"sm90_gluon": {"stages": N}``), which ``launch.sm90_block_sparse_slots`` takes
+    where the call fits it; None: never."""
     q_tile: Triple
     kv_tile: Triple
     num_warps: int
@@ -63,7 +64,7 @@ class ForwardConfig:
     fixed_mask: bool = True
     split_full: Optional[float] = None
     redo_in_program: bool = False
-    sm90_gluon: Optional[Tuple[int, int]] = None
+    sm90_gluon: Optional[int] = None
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile"):
@@ -240,9 +241,9 @@ def forward_config(
     return best[1]
 
 
-def _sm90_gluon(entry: Optional[Dict]) -> Optional[Tuple[int, int]]:
-    """A table's ``"sm90_gluon": {"kv_positions", "stages"}`` as ``ForwardConfig.sm90_gluon``."""
-    return None if entry is None else (int(entry["kv_positions"]), int(entry["stages"]))
+def _sm90_gluon(entry: Optional[Dict]) -> Optional[int]:
+    """A table's ``"sm90_gluon": {"stages": N}`` as ``ForwardConfig.sm90_gluon``."""
+    return None if entry is None else int(entry["stages"])
 
 
 def table_entry(arch: str, kernel_size: Sequence[int], head_dim: int, dtype: torch.dtype) -> Dict:

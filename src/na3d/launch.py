@@ -141,11 +141,10 @@ def na3d_forward(
                      block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel_size, is_causal, stride, (T, H, W), dilation)),
         SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.q_tile, cfg.kv_tile,
                               is_causal, stride))
-    gluon = sm90_block_sparse_boxes(q, k, v, cfg, constexprs, scale, is_causal, dilation, (T, H, W), kernel_size,
-                                    stride)
-    if gluon is not None:
-        sm90_block_sparse_forward(q, k, v, out, lse, flags, gluon, cfg.q_tile, kernel_size, stride, scale,
-                                  assume_finite)
+    slots = sm90_block_sparse_slots(q, k, v, cfg, constexprs, scale, is_causal, dilation)
+    if slots is not None:
+        sm90_block_sparse_forward(q, k, v, out, lse, flags, slots, cfg.q_tile, cfg.kv_tile, kernel_size, stride,
+                                  scale, assume_finite)
         if not assume_finite:  # the portable kernel redoes the flagged tiles the safe way
             na3d_fwd_kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, PDL=False,
                                               num_warps=cfg.num_warps, num_stages=1)
@@ -155,52 +154,41 @@ def na3d_forward(
     return out, lse
 
 
-def sm90_block_sparse_boxes(q, k, v, cfg: configs.ForwardConfig, constexprs: dict, scale: float,
-                            is_causal: Sequence[bool], dilation: Sequence[int], spatial: Sequence[int],
-                            kernel_size: Sequence[int], stride: Sequence[int]):
-    """``(kv_box, stages)`` where the call runs the Gluon sm90 forward
-    (``kernels/sm90_forward.py``), else None (the portable kernel). It runs where the
-    config asks for it (``ForwardConfig.sm90_gluon``, a table's strided entry) and
-    the call is inside its limits: an sm90 GPU (not the interpreter), 16-bit inputs
-    that tensor descriptors can read, head dim 64 or 128, a positive scale, no causal
-    axis, no dilation, 128-query boxes and every axis block-sparse (no mask) with
-    the config's query boxes and the Gluon kernel's key boxes."""
+def sm90_block_sparse_slots(q, k, v, cfg: configs.ForwardConfig, constexprs: dict, scale: float,
+                            is_causal: Sequence[bool], dilation: Sequence[int]) -> Optional[int]:
+    """The slots of the Gluon sm90 forward (``kernels/sm90_forward.py``) where the call
+    runs it, else None (the portable kernel). It runs where the config asks for it
+    (``ForwardConfig.sm90_gluon``, a table's strided entry) and the call is inside its
+    limits: an sm90 GPU (not the interpreter), 16-bit inputs that tensor descriptors
+    can read, head dim 64 or 128, a positive scale, no causal axis, no dilation,
+    128-query boxes and no mask on any axis (``constexprs``: the launch's mask modes;
+    every pair of the config's boxes full). Its boxes are the config's."""
     if cfg.sm90_gluon is None or kernels_interpreted() or device_arch(q.device) != "sm90":
         return None
-    kv_positions, stages = cfg.sm90_gluon
     if (q.shape[-1] not in (64, 128) or not scale > 0 or any(is_causal) or any(d != 1 for d in dilation)
-            or math.prod(cfg.q_tile) != 128 or any(constexprs[f"MASK_{a}"] != MASK_NONE for a in "THW")):
+            or math.prod(cfg.q_tile) != 128 or any(constexprs[f"MASK_{a}"] != MASK_NONE for a in "THW")
+            or not tma_layout_ok(q, k, v)):
         return None
-    kv_box = list(cfg.kv_tile)
-    while math.prod(kv_box) > kv_positions:  # halve the outermost side above 1 (the window stays tiled)
-        kv_box[next(i for i, n in enumerate(kv_box) if n > 1)] //= 2
-    kv_box = tuple(kv_box)
-    if not all(block_sparse_axes(cfg.q_tile, kv_box, kernel_size, is_causal, stride, spatial, dilation)):
-        return None
-    if not tma_layout_ok(q, k, v):
-        return None
-    return kv_box, stages
+    return cfg.sm90_gluon
 
 
-def sm90_block_sparse_forward(q, k, v, out, lse, flags, gluon, q_box, kernel_size, stride, scale: float,
-                              assume_finite: bool) -> None:
-    """Launch the Gluon sm90 forward (:func:`sm90_block_sparse_boxes` said it may):
-    ``gluon`` its key boxes and slots; unless ``assume_finite``, it sets ``flags``
-    (zeroed here) for the portable kernel's second launch."""
+def sm90_block_sparse_forward(q, k, v, out, lse, flags, stages: int, q_box, kv_box, kernel_size, stride,
+                              scale: float, assume_finite: bool, **switches) -> None:
+    """Launch the Gluon sm90 forward (:func:`sm90_block_sparse_slots` said it may) with
+    ``stages`` slots; unless ``assume_finite``, it sets ``flags`` (zeroed here) for the
+    portable kernel's second launch. ``switches``: the kernel's measurement switches
+    (``OVERLAP``, ``PINGPONG``; ``benchmarks/sm90_gluon_probe.py``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .kernels.sm90_forward import na3d_fwd_sm90_kernel
 
-    kv_box, stages = gluon
     B, T, H, W, NH, HD = q.shape
     element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
     def descriptor(x, box):
         block = [1, *box, HD]
-        strides = [st if n > 1 else x.shape[4] * HD * math.prod(x.shape[i + 1:4]) for i, (st, n)
-                   in enumerate(zip(x.stride()[:4], x.shape[:4]))]  # (a size-1 axis: any valid stride)
-        return TensorDescriptor(x, [B, T, H, W, x.shape[4] * HD], strides + [1], block,
+        return TensorDescriptor(x, *descriptor_view([B, T, H, W, x.shape[4] * HD], x.stride()[:4]), block,
                                 gl.NVMMASharedLayout.get_default_for(block, element))
 
     if not assume_finite:
@@ -209,7 +197,8 @@ def sm90_block_sparse_forward(q, k, v, out, lse, flags, gluon, q_box, kernel_siz
     na3d_fwd_sm90_kernel[(math.prod(tiles), NH, B)](
         descriptor(q, q_box), descriptor(k, kv_box), descriptor(v, kv_box), out, lse if lse is not None else out,
         flags, tuple(out.stride()[:5]), T, H, W, *kernel_size, *stride, tiles[1], tiles[2], NH, scale * LOG2_E,
-        tuple(q_box), kv_box, NH // k.shape[4], HD, stages, lse is not None, not assume_finite, num_warps=4)
+        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, lse is not None, not assume_finite, num_warps=4,
+        **switches)
 
 
 def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, num_warps: int, num_stages: int,
@@ -392,6 +381,12 @@ def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[i
     the tensor as it is."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    return TensorDescriptor(base, *descriptor_view(sizes, strides, dilation), list(block))
+
+
+def descriptor_view(sizes: Sequence[int], strides: Sequence[int], dilation: Sequence[int] = (1, 1, 1)):
+    """The ``(sizes, strides)`` of :func:`box_descriptor`'s 5-D view (for Triton's and
+    Gluon's descriptors alike)."""
     B, T, H, W, C = sizes
     dt, dh, dw = dilation
     sizes = [B, T // dt, dt * (H // dh), dh * (W // dw), dw * C]
@@ -399,7 +394,7 @@ def box_descriptor(base: torch.Tensor, sizes: Sequence[int], strides: Sequence[i
     for i in range(3, -1, -1):  # a size-1 axis may carry any stride: give it a valid one
         if sizes[i] == 1:
             strides[i] = strides[i + 1] * sizes[i + 1]
-    return TensorDescriptor(base, sizes, strides, list(block))
+    return sizes, strides
 
 
 def na3d_backward(

@@ -1,6 +1,6 @@
 """The Gluon sm90 forward for perfectly block-sparse calls (``kernels/sm90_forward.py``).
 
-On the CPU: which calls the launcher hands it (``launch.sm90_block_sparse_boxes``,
+On the CPU: which calls the launcher hands it (``launch.sm90_block_sparse_slots``,
 the GPU's answers faked) and that the table's strided entries carry its settings.
 On an sm90 GPU: its outputs and lse against the float64 oracle (bf16 and fp16, head
 dims 64 and 128, B > 1, grouped heads, grids that cut the last boxes short, an output
@@ -39,38 +39,35 @@ def decide(shape, kernel, stride, dtype=torch.bfloat16, scale=0.1, is_causal=F, 
     modes = launch.mask_modes(cfg.q_tile, cfg.kv_tile, kernel, is_causal, stride, cfg.fixed_mask, (T, H, W),
                               launch.block_sparse_axes(cfg.q_tile, cfg.kv_tile, kernel, is_causal, stride, (T, H, W),
                                                        dilation))
-    return cfg, launch.sm90_block_sparse_boxes(q, q, q, cfg, modes, scale, is_causal, dilation, (T, H, W), kernel,
-                                               stride)
+    return cfg, launch.sm90_block_sparse_slots(q, q, q, cfg, modes, scale, is_causal, dilation)
 
 
 def test_strided_entries_pass_the_gluon_settings_through():
     entry = {"q_positions": 128, "kv_positions": 128, "num_warps": 8, "num_stages": 3,
-             "sm90_gluon": {"kv_positions": 64, "stages": 4}}
+             "sm90_gluon": {"stages": 4}}
     option = configs.stride_aligned_option(entry, (30, 48, 80), (18, 24, 24), (2, 8, 8), F)
-    assert configs._sm90_gluon(option.get("sm90_gluon")) == (64, 4)
+    assert configs._sm90_gluon(option.get("sm90_gluon")) == 4
     assert configs._sm90_gluon(None) is None
 
 
 def test_sm90_table_takes_the_gluon_kernel_for_the_strided_dit_rows():
     # (measured on an H100: NOTES v37)
-    for shape, kernel, stride, head_dim, want in (((30, 48, 80), (18, 24, 24), (2, 8, 8), 128, (128, 3)),
-                                                 ((32, 64, 64), (16, 16, 16), (4, 4, 8), 64, (128, 4))):
+    for shape, kernel, stride, head_dim, want in (((30, 48, 80), (18, 24, 24), (2, 8, 8), 128, 3),
+                                                 ((32, 64, 64), (16, 16, 16), (4, 4, 8), 64, 4)):
         cfg = configs.forward_config("sm90", shape, kernel, head_dim, torch.bfloat16, stride, F)
         assert cfg.bucket.endswith("/strided") and cfg.sm90_gluon == want
     assert configs.forward_config("sm90", (30, 48, 80), (18, 24, 24), 128, torch.bfloat16).sm90_gluon is None
 
 
 def with_gluon(cfg):
-    return dataclasses.replace(cfg, sm90_gluon=(64, 4))
+    return dataclasses.replace(cfg, sm90_gluon=4)
 
 
 def test_block_sparse_calls_take_the_gluon_kernel(monkeypatch):
     fake_sm90(monkeypatch)
-    cfg, boxes = decide((1, 30, 48, 80, 24, 128), (18, 24, 24), (2, 8, 8))
-    kv_positions, stages = cfg.sm90_gluon
-    kv_box, got_stages = boxes
-    assert got_stages == stages and torch.Size(kv_box).numel() == kv_positions
-    assert all(launch.block_sparse_axes(cfg.q_tile, kv_box, (18, 24, 24), F, (2, 8, 8), (30, 48, 80), (1, 1, 1)))
+    cfg, slots = decide((1, 30, 48, 80, 24, 128), (18, 24, 24), (2, 8, 8))
+    assert slots == cfg.sm90_gluon == 4
+    assert all(launch.block_sparse_axes(cfg.q_tile, cfg.kv_tile, (18, 24, 24), F, (2, 8, 8), (30, 48, 80), (1, 1, 1)))
 
 
 @pytest.mark.parametrize("change", ["causal", "dilation", "negative scale", "fp32", "head dim 32", "stride 1",
@@ -88,7 +85,7 @@ def test_other_calls_keep_the_portable_kernel(monkeypatch, change):
     elif change == "fp32":
         kw["dtype"] = torch.float32
         kw["cfg"] = dataclasses.replace(configs.forward_config("sm90", (30, 48, 80), kernel, 128, torch.float32,
-                                                               stride, F), sm90_gluon=(64, 4))
+                                                               stride, F), sm90_gluon=4)
     elif change == "head dim 32":
         shape[-1] = 32
     elif change == "stride 1":
@@ -97,8 +94,8 @@ def test_other_calls_keep_the_portable_kernel(monkeypatch, change):
         monkeypatch.setattr(launch, "device_arch", lambda device: "gfx942")
     elif change == "masked":  # a stride of 3 along T: boxes of 2 frames straddle its groups
         stride = (3, 8, 8)
-    cfg, boxes = decide(tuple(shape), kernel, stride, **kw)
-    assert boxes is None
+    cfg, slots = decide(tuple(shape), kernel, stride, **kw)
+    assert slots is None
 
 
 # --------------------------------------------------------------------------------
@@ -109,11 +106,11 @@ def on_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and torch.version.hip is None
 
 
-CASES = [  # shape, key/value heads, kernel, stride, (query box, key box), Gluon (keys per box, slots)
-    ((2, 6, 20, 24, 3, 128), 3, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (1, 8, 8)), (64, 4)),
-    ((2, 6, 20, 24, 3, 128), 3, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (2, 8, 8)), (128, 3)),
-    ((1, 5, 16, 40, 4, 64), 2, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (2, 4, 16)), (128, 3)),
-    ((1, 8, 12, 36, 2, 64), 1, (4, 4, 8), (4, 4, 8), ((4, 4, 8), (2, 4, 8)), (64, 4)),
+CASES = [  # shape, key/value heads, kernel, stride, (query box, key box), Gluon slots
+    ((2, 6, 20, 24, 3, 128), 3, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (1, 8, 8)), 4),
+    ((2, 6, 20, 24, 3, 128), 3, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (2, 8, 8)), 3),
+    ((1, 5, 16, 40, 4, 64), 2, (4, 8, 16), (2, 8, 8), ((2, 8, 8), (2, 4, 16)), 3),
+    ((1, 8, 12, 36, 2, 64), 1, (4, 4, 8), (4, 4, 8), ((4, 4, 8), (2, 4, 8)), 4),
 ]
 IDS = ["hd128-kv64", "hd128-kv128", "hd64-gqa-short", "hd64-mqa"]
 
@@ -220,7 +217,8 @@ def table_gluon_configs():
             continue
         when = entry.get("when", {})
         head_dim = 128 if when.get("head_dim_min", 0) > 64 else 64  # (the buckets before take the others)
-        kv_box = (2, 8, 8) if gluon["kv_positions"] == 128 else (1, 8, 8)
+        keys = entry["strided"]["kv_positions"]  # (the entry's key boxes; any box of that many keys)
+        kv_box = {128: (2, 8, 8), 64: (1, 8, 8)}[keys]
         found.append((head_dim, (2, 8, 8), kv_box, gluon["stages"]))
     return found
 

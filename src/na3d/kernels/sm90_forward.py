@@ -151,6 +151,8 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         if PINGPONG:
             mbarrier.wait(turn.index(HALF), j & 1)
+        # (On the last step this computes the last box's scores once more, unused: one
+        # product in 2 * n_steps, which keeps the loop free of a branch around it.)
         s_next = _scores(q, k_smem, k_ready, gl.minimum(j + 1, n_steps - 1), STAGES, BLOCK_N, HEAD_DIM,
                          s_layout, ROWS)
         mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
