@@ -11,7 +11,10 @@ against the portable kernel, on an H100/H200, in one process: exactness first, t
 2. Time (GPU time, CUDA-graph replay, L2 flushed; ``tools.common.Timer``): the strided
    benchmark rows' forwards, the portable kernel (table config, ``assume_finite``)
    against the Gluon kernel with key boxes of 64 and 128 and 2-4 slots; dense cuDNN
-   on the same tokens for the speed of light. One JSON line per measurement.
+   on the same tokens for the speed of light. One JSON line per measurement. With
+   ``--variants``: the table's boxes and slots only, each set of the kernel's
+   switches in alternating rounds, and the launcher's own forward (default and
+   ``assume_finite``).
 """
 
 import argparse
@@ -37,15 +40,21 @@ ROWS = {
 
 
 def gluon_forward(q, k, v, kernel_size, stride, scale, q_box, kv_box, stages, return_lse=False, out=None,
-                  overlap=True, pingpong=True):
+                  **switches):
     """The launcher's Gluon launch (``launch.sm90_block_sparse_forward``) with any boxes
-    and slots, no non-finite check, and the kernel's measurement switches."""
+    and slots, no non-finite check, and the kernel's measurement switches (``OVERLAP``,
+    ``PINGPONG``, ...)."""
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:5], dtype=torch.float32, device=q.device) if return_lse else None
     unused_flags = torch.empty(1, dtype=torch.int8, device=q.device)
     launch.sm90_block_sparse_forward(q, k, v, out, lse, unused_flags, stages, q_box, kv_box, kernel_size, stride,
-                                     scale, True, OVERLAP=overlap, PINGPONG=pingpong)
+                                     scale, True, **switches)
     return out, lse
+
+
+def parse_variant(text):
+    """``"TREE=1,LATE_REFILL=0"`` -> switches; ``""`` -> none (the kernel's defaults)."""
+    return {name: bool(int(value)) for name, value in (p.split("=") for p in text.split(",") if p)}
 
 
 def check(args, log):
@@ -71,12 +80,12 @@ def check(args, log):
             cfg = configs.ForwardConfig(qb, kb, 8 if math.prod(qb) == 128 else 4, 2)
             port = torch.full_like(q, float("nan"))
             launch.na3d_forward(q, k, v, K, scale, out=port, config=cfg, stride=S, assume_finite=True)
-            for stages, overlap, pingpong in ((3, True, True), (4, True, True), (3, True, False), (3, False, True)):
+            for stages, switches in [(3, {}), (4, {}), (3, {"PINGPONG": False}), (3, {"OVERLAP": False})] + [
+                    (3, parse_variant(v)) for v in args.variants if v] + [(4, parse_variant(v)) for v in args.variants[-1:] if v]:
                 got = torch.full_like(q, float("nan"))
                 t0 = time.time()
                 try:
-                    _, lse = gluon_forward(q, k, v, K, S, scale, qb, kb, stages, return_lse=True, out=got,
-                                           overlap=overlap, pingpong=pingpong)
+                    _, lse = gluon_forward(q, k, v, K, S, scale, qb, kb, stages, return_lse=True, out=got, **switches)
                     torch.cuda.synchronize()
                 except Exception as e:  # e.g. more shared memory than the GPU has
                     log({"check": "skipped", "q_box": qb, "kv_box": kb, "stages": stages, "error": repr(e)[:200]})
@@ -89,8 +98,7 @@ def check(args, log):
                 ok = not nan.any().item() and err <= 2 * perr + 1e-3 and lse_err <= 1e-3
                 ok_all &= ok
                 record = {"check": "ok" if ok else "FAIL", "dtype": str(dtype), "shape": [B, T, H, W, NH, NKV, HD],
-                          "kernel": K, "stride": S, "q_box": qb, "kv_box": kb, "stages": stages, "overlap": overlap,
-                          "pingpong": pingpong,
+                          "kernel": K, "stride": S, "q_box": qb, "kv_box": kb, "stages": stages, "switches": switches,
                           "max_err": err, "lse_err": lse_err, "portable_err": perr, "s": round(time.time() - t0, 1)}
                 if not ok:  # where it goes wrong: NaN share, per box row half and column, error where finite
                     rows = nan.any(-1)  # (B, T, H, W, NH)
@@ -122,6 +130,21 @@ def timing(args, log):
         ms = timer(lambda: launch.na3d_forward(q, k, v, K, scale, config=cfg, stride=S, assume_finite=True))
         log({"row": name, "method": "portable", "q_box": cfg.q_tile, "kv_box": cfg.kv_tile, "gpu_ms": ms,
              "x_sol": ms / sol})
+        if args.variants:  # the table's boxes and slots; each variant, in alternating rounds
+            for round_ in range(args.rounds):
+                for text in args.variants:
+                    switches = parse_variant(text)
+                    got, _ = gluon_forward(q, k, v, K, S, scale, cfg.q_tile, cfg.kv_tile, cfg.sm90_gluon, **switches)
+                    err = (got.float() - ref.float()).abs().max().item()
+                    ms = timer(lambda: gluon_forward(q, k, v, K, S, scale, cfg.q_tile, cfg.kv_tile, cfg.sm90_gluon,
+                                                     **switches))
+                    log({"row": name, "method": "gluon", "variant": text, "round": round_, "kv_box": cfg.kv_tile,
+                         "stages": cfg.sm90_gluon, "gpu_ms": ms, "x_sol": ms / sol, "max_diff_vs_portable": err})
+                for finite in (True, False):  # through the launcher as the API calls it (table switches)
+                    ms = timer(lambda: launch.na3d_forward(q, k, v, K, scale, stride=S, assume_finite=finite))
+                    log({"row": name, "method": "launcher", "assume_finite": finite, "round": round_, "gpu_ms": ms,
+                         "x_sol": ms / sol})
+            continue
         kv_boxes = [cfg.kv_tile] + [b for b in ((1, 8, 8), (2, 4, 8), (1, 8, 16), (2, 8, 8)) if b != cfg.kv_tile]
         for kb in kv_boxes:
             if not all(launch.block_sparse_axes(cfg.q_tile, kb, K, (False,) * 3, S, (T, H, W), (1, 1, 1))):
@@ -144,6 +167,11 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=0|1,...",
+                        help="time these switch sets (\"\": the kernel's defaults) at the table's boxes and slots, "
+                             "and the launcher's default and assume_finite forwards, instead of the box sweep; "
+                             "the exactness check adds them")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     sink = open(os.path.join(args.out, "sm90_gluon_probe.jsonl"), "a") if args.out else None
 
