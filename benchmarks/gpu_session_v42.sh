@@ -10,7 +10,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env.txt
-VARIANTS=("" "TREE=1" "LATE_REFILL=1" "TREE=1,LATE_REFILL=1" "TREE=1,LATE_REFILL=1,PINGPONG=0")
+VARIANTS=("" "TREE=1" "LATE_REFILL=1" "TREE=1,LATE_REFILL=1" "TREE=1,LATE_REFILL=1,PINGPONG=0")  # (switches of f88281e)
 echo "=== 1. probe: exactness of every variant, then their times (this tree)"
 timeout 330 env PYTHONPATH=src python3 benchmarks/sm90_gluon_probe.py --out $OUT --variants "${VARIANTS[@]}" \
   > $OUT/gluon_probe.log 2>&1

@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from sass_loop import key_loops  # noqa: E402
 
 
-def compile_gluon(head_dim, q_box, kv_box, stages, switches):
+def compile_gluon(head_dim, q_box, kv_box, stages, switches, check=True):
     """The compiled kernel (sm90, a driver that answers sm90; no GPU)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -58,7 +58,7 @@ def compile_gluon(head_dim, q_box, kv_box, stages, switches):
     flags = torch.empty(64, dtype=torch.int8)
     return na3d_fwd_sm90_kernel.warmup(
         descriptor(q_box), descriptor(kv_box), descriptor(kv_box), x, lse, flags, tuple(x.stride()[:5]), T, H, W,
-        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, False, True, grid=(1,), num_warps=4,
+        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, False, check, grid=(1,), num_warps=4,
         **switches)
 
 
@@ -69,10 +69,11 @@ def main() -> None:
     parser.add_argument("--kv-box", type=int, nargs=3, default=[2, 8, 8])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--no-check", action="store_true", help="compile without the non-finite check (assume_finite)")
     parser.add_argument("--dump", action="store_true", help="print each loop's instructions")
     args = parser.parse_args()
     switches = {name: int(value) for name, value in (s.split("=") for s in args.switch)}
-    kernel = compile_gluon(args.head_dim, tuple(args.q_box), tuple(args.kv_box), args.stages, switches)
+    kernel = compile_gluon(args.head_dim, tuple(args.q_box), tuple(args.kv_box), args.stages, switches, not args.no_check)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "k.ptx")

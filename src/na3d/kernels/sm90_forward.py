@@ -79,35 +79,12 @@ def _scores(q, k_smem, k_ready, j, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _halve(x, ROWS: gl.constexpr, N: gl.constexpr, IS_MAX: gl.constexpr):
-    """Columns c and c + N / 2 of ``x`` combined (max or sum)."""
-    if IS_MAX:
-        return gl.max(gl.reshape(x, [ROWS, 2, N // 2]), axis=1)
-    return gl.sum(gl.reshape(x, [ROWS, 2, N // 2]), axis=1)
-
-
-@gluon.jit
-def _row_reduce(x, ROWS: gl.constexpr, N: gl.constexpr, IS_MAX: gl.constexpr, TREE: gl.constexpr):
-    """Max or sum of each row of ``x`` (``[ROWS, N]`` in the product's layout). ``TREE``:
-    first halve the columns pairwise while both halves are in one thread (columns c
-    and c + N / 2 of an accumulator row are), so that the reduction is a tree of depth
-    log2 N rather than a chain of N / 8 dependent instructions per thread."""
-    if TREE:
-        x = _halve(x, ROWS, N, IS_MAX)
-        x = _halve(x, ROWS, N // 2, IS_MAX)
-        x = _halve(x, ROWS, N // 4, IS_MAX)
-    if IS_MAX:
-        return gl.max(x, axis=1)
-    return gl.sum(x, axis=1)
-
-
-@gluon.jit
 def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O, LSE, FLAGS,
               o_strides, T, H, W, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ST, SH, SW, tiles_h,
-              tiles_w, heads, qk_scale, HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr,
+              tiles_w, heads, qk_scale, HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr,
+              GROUP: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, LATE_REFILL: gl.constexpr,
-              TREE: gl.constexpr):
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: queries ``HALF * 64 ..`` of the box, the online softmax over
     every key box, and their output (and lse) rows.
 
@@ -157,15 +134,15 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     p_in_flight = gl.zeros([ROWS, BLOCK_N], k_smem.dtype, p_layout)
     for j in range(n_steps):
         slot = j % STAGES
-        m_new = gl.maximum(m_i, gl.convert_layout(_row_reduce(s, ROWS, BLOCK_N, True, TREE), row_layout) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.convert_layout(_row_reduce(p, ROWS, BLOCK_N, False, TREE), row_layout)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p = gl.convert_layout(p.to(k_smem.dtype), p_layout)
         acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
         mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
-        if HALF == LOADER and not LATE_REFILL:
+        if HALF == LOADER:
             # Step j - 1's slot, once the other warpgroup released it too (it has:
             # it runs ahead), takes step j - 1 + STAGES.
             if (j > 0) & (j - 1 + STAGES < n_steps):
@@ -185,13 +162,6 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         acc = warpgroup_mma(p, v, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - HALF))
-        if HALF == LOADER and LATE_REFILL:
-            # The same refill, issued once this step's products are: off the path
-            # from the softmax to them, while the next scores are computed.
-            if (j > 0) & (j - 1 + STAGES < n_steps):
-                mbarrier.wait(empty.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
-                _load_step(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j - 1 + STAGES, batch, channel,
-                           s_t, s_h, s_w, n_h, n_w, KV_BOX, STAGES)
         p_in_flight = p
         if not OVERLAP:  # (for measurements: each step's P V finished before the next softmax)
             acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
@@ -233,10 +203,12 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
                          tiles_h, tiles_w, heads, qk_scale,
                          Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
-                         OVERLAP: gl.constexpr = True, PINGPONG: gl.constexpr = True,
-                         LATE_REFILL: gl.constexpr = False, TREE: gl.constexpr = False):
+                         OVERLAP: gl.constexpr = True, PINGPONG: gl.constexpr = True):
     """Grid: (query boxes, heads, batch); launched with 4 warps (the first
-    warpgroup), the second a worker partition. ``CHECK``: set ``FLAGS`` (int8 per
+    warpgroup), the second a worker partition. The window ``KT, KH, KW`` is a
+    compile-time constant: the loading warpgroup finds each step's key box by
+    dividing by the window's box counts, and constant divisors keep that off its
+    path to the next products (7 % of the kernel's time at head dim 128, NOTES v38). ``CHECK``: set ``FLAGS`` (int8 per
     program, zeroed by the caller) where the output holds an inf or NaN. Q, K, V descriptors over
     ``(B, T, H, W, NH * HD)`` with blocks of one head's box; O any strides."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
@@ -259,8 +231,8 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
                      LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG, LATE_REFILL, TREE)),
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG)),
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
                      LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG, LATE_REFILL, TREE)),
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG)),
     ], [4], [240])
