@@ -84,7 +84,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
               tiles_w, heads, qk_scale, HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr,
               GROUP: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TURN_AFTER_SCORES: gl.constexpr):
     """One warpgroup: queries ``HALF * 64 ..`` of the box, the online softmax over
     every key box, and their output (and lse) rows.
 
@@ -160,13 +160,17 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         v = v_smem.index(slot)._reinterpret(v_smem.dtype, [BLOCK_N, HEAD_DIM],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], v_smem.dtype))
         acc = warpgroup_mma(p, v, acc, is_async=True)
-        if PINGPONG:
+        if PINGPONG and not TURN_AFTER_SCORES:
             mbarrier.arrive(turn.index(1 - HALF))
         p_in_flight = p
         if not OVERLAP:  # (for measurements: each step's P V finished before the next softmax)
             acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
             acc = warpgroup_mma_init(acc)
         s = warpgroup_mma_wait(1, deps=[s_next])
+        if PINGPONG and TURN_AFTER_SCORES:
+            # (for measurements: the other warpgroup issues once this one's scores are
+            # done, so that the two softmaxes cannot fall into step)
+            mbarrier.arrive(turn.index(1 - HALF))
     acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc, p_in_flight])
     mbarrier.arrive(empty.index((n_steps + STAGES - 1) % STAGES))
 
@@ -203,7 +207,8 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
                          tiles_h, tiles_w, heads, qk_scale,
                          Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
-                         OVERLAP: gl.constexpr = True, PINGPONG: gl.constexpr = True):
+                         OVERLAP: gl.constexpr = True, PINGPONG: gl.constexpr = True,
+                         TURN_AFTER_SCORES: gl.constexpr = False):
     """Grid: (query boxes, heads, batch); launched with 4 warps (the first
     warpgroup), the second a worker partition. The window ``KT, KH, KW`` is a
     compile-time constant: the loading warpgroup finds each step's key box by
@@ -231,8 +236,10 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
                      LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG)),
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG,
+                     TURN_AFTER_SCORES)),
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
                      LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG)),
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG,
+                     TURN_AFTER_SCORES)),
     ], [4], [240])
