@@ -176,7 +176,7 @@ def main():
     sink = open(os.path.join(args.out, "sm90_gluon_probe.jsonl"), "a") if args.out else None
 
     def log(record):
-        line = json.dumps(record)
+        line = json.dumps(dict(record, t=round(time.time(), 2)))  # (wall time: to set beside a clock log)
         print(line, flush=True)
         if sink:
             sink.write(line + "\n")
