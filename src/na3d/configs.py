@@ -231,6 +231,13 @@ def forward_config(
             continue
         q_tile, kv_tile = fitted_tiles(option["q_tile"], option["kv_tile"], shape, kernel_size)
         ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile, is_causal, stride)
+        gluon = option.get("sm90_gluon")
+        if (gluon is not None and arch == "sm90" and "product_cost" in gluon
+                and geometry.full_products_share(shape, kernel_size, q_tile, kv_tile, is_causal, stride) == 1.0):
+            # Every box pair full: on sm90 the Gluon kernel runs it, whose products cost
+            # the measured fraction of the portable kernel's (so 20 % more products from
+            # boxes the grid's borders clip can still be the faster choice: Wan's grid).
+            ratio *= float(gluon["product_cost"])
         # (The stride-aligned option, made for the call, wins a tie.)
         if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
