@@ -211,12 +211,16 @@ def forward_config(
     dtype: torch.dtype,
     stride: Triple = (1, 1, 1),
     is_causal: Tuple[bool, bool, bool] = (False, False, False),
+    weigh_gluon: bool = True,
 ) -> ForwardConfig:
     """Launch configuration for the forward kernel on ``shape = (T, H, W)``.
 
     With a stride, a bucket's ``strided`` entry adds boxes aligned to it
     (:func:`stride_aligned_option`), and every option's products are counted with the
-    stride (and causal axes) of the call.
+    stride (and causal axes) of the call. ``weigh_gluon``: an option that names the
+    Gluon sm90 forward (``sm90_gluon.product_cost``) counts its products at that
+    cost where every box pair is full; the backward (:func:`backward_config`), which
+    has no such kernel, chooses by the products alone.
 
     Memoized: the choice depends only on these hashable arguments, and a call of the
     library should not pay for the table lookup again.
@@ -232,7 +236,7 @@ def forward_config(
         q_tile, kv_tile = fitted_tiles(option["q_tile"], option["kv_tile"], shape, kernel_size)
         ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile, is_causal, stride)
         gluon = option.get("sm90_gluon")
-        if (gluon is not None and arch == "sm90" and "product_cost" in gluon
+        if (weigh_gluon and gluon is not None and arch == "sm90" and "product_cost" in gluon
                 and geometry.full_products_share(shape, kernel_size, q_tile, kv_tile, is_causal, stride) == 1.0):
             # Every box pair full: on sm90 the Gluon kernel runs it, whose products cost
             # the measured fraction of the portable kernel's (so 20 % more products from
@@ -390,7 +394,7 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
     forward's query boxes, scanning query boxes the shape of its key boxes), with
     fewer pipeline stages since each step loads two tiles (Q and dO) per operand.
     """
-    fwd = forward_config(arch, shape, kernel_size, head_dim, dtype, stride, is_causal)
+    fwd = forward_config(arch, shape, kernel_size, head_dim, dtype, stride, is_causal, weigh_gluon=False)
     if not any(s > 1 for s in stride):
         is_causal = (False, False, False)
     table = load_table(arch)
