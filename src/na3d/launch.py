@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -142,15 +142,13 @@ def na3d_forward(
         SPLIT_FULL=split_full(cfg.split_full, group_grid((T, H, W), dilation), kernel_size, cfg.q_tile, cfg.kv_tile,
                               is_causal, stride))
     slots = sm90_block_sparse_slots(q, k, v, cfg, constexprs, scale, is_causal, dilation)
-    if slots is not None:
-        sm90_block_sparse_forward(q, k, v, out, lse, flags, slots, cfg.q_tile, cfg.kv_tile, kernel_size, stride,
-                                  scale, assume_finite)
-        if not assume_finite:  # the portable kernel redoes the flagged tiles the safe way
-            na3d_fwd_kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, PDL=False,
-                                              num_warps=cfg.num_warps, num_stages=1)
-        return out, lse
+    # Where the Gluon kernel takes the call it is the fast pass, and the portable
+    # kernel's second launch redoes the tiles it flagged.
+    gluon = None if slots is None else functools.partial(
+        sm90_block_sparse_forward, q, k, v, out, lse, flags, slots, cfg.q_tile, cfg.kv_tile, kernel_size, stride,
+        scale, assume_finite)
     launch_and_redo(na3d_fwd_kernel, (n_tiles * group, NH // group, B), args, constexprs, flags, cfg.num_warps,
-                    cfg.num_stages, cfg.maxnreg, assume_finite, cfg.redo_in_program)
+                    cfg.num_stages, cfg.maxnreg, assume_finite, cfg.redo_in_program, fast_pass=gluon)
     return out, lse
 
 
@@ -202,7 +200,8 @@ def sm90_block_sparse_forward(q, k, v, out, lse, flags, stages: int, q_box, kv_b
 
 
 def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, num_warps: int, num_stages: int,
-                    maxnreg: Optional[int], assume_finite: bool, in_program: bool = False) -> None:
+                    maxnreg: Optional[int], assume_finite: bool, in_program: bool = False,
+                    fast_pass: Optional[Callable[[], None]] = None) -> None:
     """Every kernel's two launches (``kernels/programs.py``, ``run_programs``): on
     ``grid`` the fast way, each program setting its entry of ``flags`` where its
     results hold an inf or NaN; then, on :func:`safe_grid`, ``REDO``: the flagged
@@ -219,13 +218,20 @@ def launch_and_redo(kernel, grid, args, constexprs: dict, flags: torch.Tensor, n
     run and waits in the kernel for their results, so that on finite inputs its
     cost is a flag read rather than a launch after the first one
     (``kernels/programs.py``). Elsewhere, and in the interpreter, the two launch in
-    order."""
+    order.
+
+    ``fast_pass`` (optional): another kernel's launch as the first pass (the Gluon sm90
+    forward, which sets the same flags); the second launch is then in order, never in
+    the program or dependent."""
     # (cached answers first: this runs on every launch)
-    in_program = in_program and not assume_finite
-    pdl = (not assume_finite and not in_program and dependent_launch(flags.device)
+    in_program = in_program and not assume_finite and fast_pass is None
+    pdl = (not assume_finite and not in_program and fast_pass is None and dependent_launch(flags.device)
            and configs.dependent_second_launch(device_arch(flags.device)) and not kernels_interpreted())
-    kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
-                 num_stages=num_stages, REDO_IN_PROGRAM=in_program, **configs.maxnreg_option(maxnreg))
+    if fast_pass is not None:
+        fast_pass()
+    else:
+        kernel[grid](*args, **constexprs, ASSUME_FINITE=assume_finite, REDO=False, PDL=pdl, num_warps=num_warps,
+                     num_stages=num_stages, REDO_IN_PROGRAM=in_program, **configs.maxnreg_option(maxnreg))
     if not assume_finite and not in_program:
         kernel[safe_grid(flags)](*args, **constexprs, ASSUME_FINITE=False, REDO=True, PDL=pdl, num_warps=num_warps,
                                  num_stages=1, **({"launch_pdl": True} if pdl else {}))
