@@ -176,6 +176,30 @@ def test_rows_time_a_peer_like_na3d(monkeypatch):
     assert set(bwd["fwd_plus_bwd"]["ms"]) == {"na3d", "natten_hopper"}
 
 
+def test_methods_take_turns_over_rounds():
+    """time_in_rounds: each round times every method once, the order rotating; the
+    medians are kept; a method that raises is reported once and left out after."""
+    calls, errors = [], []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def measure(method):
+        calls.append(method)
+        if method == "c":
+            raise RuntimeError("out of memory")
+        return next(times[method])
+
+    medians, per_round = bench.time_in_rounds(["a", "b", "c"], measure, 3, lambda m, e: errors.append((m, str(e))))
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # c failed in round 1 and is not asked again
+    assert medians == {"a": 2.0, "b": 5.0} and per_round == {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0]}
+    assert errors == [("c", "out of memory")]
+    row = {"ms": {}}
+    bench.record_times(row, medians, per_round, 3)
+    assert row == {"ms": {"a": 2.0, "b": 5.0}, "ms_rounds": per_round}
+    with pytest.raises(ValueError):  # the caller's on_error may raise (na3d's own failure)
+        bench.time_in_rounds(["a"], lambda m: (_ for _ in ()).throw(ValueError("x")), 2,
+                             lambda m, e: (_ for _ in ()).throw(e))
+
+
 def test_strided_rows_carry_their_stride_and_speed_of_light(monkeypatch):
     """A strided shape: na3d, its oracle and the peer (na3d standing in for NATTEN, which
     must receive the stride: its error equals na3d's only then) run with the stride;
@@ -196,7 +220,8 @@ def test_strided_rows_carry_their_stride_and_speed_of_light(monkeypatch):
             "stride": [1, 2, 2], "dense_ms": {"fwd": 9.0, "bwd": 18.0}}
     ceilings = {"copy_tbs": 4.0, "dense_attn_tflops": 300.0}
     methods = ["na3d", "natten_hopper", "comfy_cuda", "flex"]
-    fwd = bench.forward_row(spec, timer, ceilings, "cpu", methods, dtype=torch.float16)
+    fwd = bench.forward_row(spec, timer, ceilings, "cpu", methods, rounds=2, dtype=torch.float16)
+    assert fwd["ms_rounds"] == {"na3d": [2.0, 2.0], "natten_hopper": [2.0, 2.0]}
     assert fwd["stride"] == [1, 2, 2] and fwd["natten_hopper_max_abs_err"] == fwd["max_abs_err"]
     assert fwd["speed_of_light_ms"] == 9.0 * 9 / 32 and fwd["x_speed_of_light"]["na3d"] == round(2.0 / (9 * 9 / 32), 3)
     assert fwd["skipped"]["comfy_cuda"] == "no stride" and "strided" in fwd["skipped"]["flex"]

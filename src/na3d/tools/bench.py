@@ -53,6 +53,7 @@ import math
 import os
 import platform
 import subprocess
+import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -165,7 +166,7 @@ def device_slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "gpu"
 
 
-def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
+def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str], rounds: int = 1,
                 dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None) -> dict:
     """Time every method on one shape; error of each against a float32 oracle. With
     ``gpu_timer`` (a ``Timer(graphs=True)``), na3d's GPU time too (``gpu_ms``).
@@ -258,18 +259,17 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
         except Exception as exc:  # report, keep benchmarking the rest
             row["flex_error"] = f"{type(exc).__name__}: {exc}"[:500]
             log(f"  {name}: flex failed: {row['flex_error']}")
-    for method in methods:
-        if method not in runners:
-            continue
+    def measure(method):
         log(f"  {name}: timing {method}")
         slow = method != "na3d"
-        try:
-            row["ms"][method] = round(timer(runners[method], min_runs=5 if slow else 20,
-                                            target_ms=1000 if slow else 300), 5)
-        except Exception as exc:  # e.g. out of memory in a baseline: report it
-            if not slow:
-                raise
-            fail(row, method, exc)
+        return timer(runners[method], min_runs=5 if slow else 20, target_ms=1000 if slow else 300)
+
+    def failed(method, exc):  # e.g. out of memory in a baseline: report it
+        if method == "na3d":
+            raise exc
+        fail(row, method, exc)
+
+    record_times(row, *time_in_rounds([m for m in methods if m in runners], measure, rounds, failed), rounds)
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
     if gpu_timer is not None and "na3d" in row["ms"]:
         log(f"  {name}: GPU time of na3d (graph replay)")
@@ -281,6 +281,38 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
         row["na3d_tbs"] = round(nbytes / t / 1e12, 3)
         record_speedups(row)
     return row
+
+
+def time_in_rounds(methods: List[str], measure: Callable[[str], float], rounds: int,
+                   on_error: Callable[[str, Exception], None]) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
+    """Each method's median time over ``rounds`` rounds, the methods taking turns within
+    a round (the order rotating from one round to the next), so that a GPU whose clock
+    moves under its power cap (an H100 at 700 W: NOTES v38) weighs on every method
+    alike. ``measure(method)`` times one method once; a method that raises is passed
+    to ``on_error`` (which may raise again) and left out of the later rounds. Returns
+    ``({method: median ms}, {method: [ms per round]})``."""
+    times = {m: [] for m in methods}
+    failed = set()
+    for r in range(rounds):
+        turn = r % max(1, len(methods))
+        for method in methods[turn:] + methods[:turn]:
+            if method in failed:
+                continue
+            try:
+                times[method].append(measure(method))
+            except Exception as exc:
+                failed.add(method)
+                on_error(method, exc)
+    done = {m: v for m, v in times.items() if v and m not in failed}
+    return {m: statistics.median(v) for m, v in done.items()}, done
+
+
+def record_times(row: dict, medians: Dict[str, float], per_round: Dict[str, List[float]], rounds: int) -> None:
+    """``row["ms"]`` (medians) and, over more than one round, ``row["ms_rounds"]``."""
+    for method, ms in medians.items():
+        row["ms"][method] = round(ms, 5)
+    if rounds > 1:
+        row["ms_rounds"] = {m: [round(t, 5) for t in v] for m, v in per_round.items()}
 
 
 def skip(row: dict, method: str, reason: str) -> None:
@@ -304,10 +336,11 @@ def window_fraction(spec: dict) -> float:
     return math.prod(spec["kernel_size"]) / math.prod(spec["shape"][1:4])
 
 
-def measure_dense_on_tokens(spec: dict, timer: Timer, device) -> Dict[str, float]:
+def measure_dense_on_tokens(spec: dict, timer: Timer, device, rounds: int = 1) -> Dict[str, float]:
     """Dense attention (cuDNN, no mask) on a strided row's tokens, heads and head dim:
     ``{"fwd": ms, "bwd": ms}`` (bwd = forward + backward minus forward), the base of
-    the row's speed of light (``window_fraction`` of it: DESIGN's section 3c)."""
+    the row's speed of light (``window_fraction`` of it: DESIGN's section 3c); medians
+    over ``rounds`` measurements."""
     B, T, H, W, NH, HD = spec["shape"]
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, NH, T * H * W, HD, dtype=torch.bfloat16, device=device, generator=gen,
@@ -319,9 +352,12 @@ def measure_dense_on_tokens(spec: dict, timer: Timer, device) -> Dict[str, float
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v)
 
-    with torch.no_grad():
-        fwd = timer(dense, min_runs=5, target_ms=1000)
-    both = timer(lambda: torch.autograd.grad(dense(), (q, k, v), grad_out), min_runs=5, target_ms=2000)
+    fwds, boths = [], []
+    for _ in range(rounds):
+        with torch.no_grad():
+            fwds.append(timer(dense, min_runs=5, target_ms=1000))
+        boths.append(timer(lambda: torch.autograd.grad(dense(), (q, k, v), grad_out), min_runs=5, target_ms=2000))
+    fwd, both = statistics.median(fwds), statistics.median(boths)
     return {"fwd": round(fwd, 4), "bwd": round(both - fwd, 4)}
 
 
@@ -372,7 +408,7 @@ def record_gpu_time(row: dict, ms: float, floor_ms: float) -> None:
     row["gpu_x_floor"] = {"na3d": round(ms / floor_ms, 3)}
 
 
-def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str],
+def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, methods: List[str], rounds: int = 1,
                  dtype=torch.bfloat16, gpu_timer: Optional[Timer] = None,
                  natten_forward_config: Optional[dict] = None) -> dict:
     """Time dq, dk, dv from a given dO (forward excluded) for every method on one shape.
@@ -479,19 +515,22 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
             methods.remove("na3d_fused")
     del ref
     torch.cuda.empty_cache()
-    for method in methods:
-        if method not in runners:
-            continue
+    def measure(method):
         log(f"  {name}: timing {method} backward")
+        fn = runners[method]()
+        ours = method.startswith("na3d")
         try:
-            fn = runners[method]()
-            ours = method.startswith("na3d")
-            row["ms"][method] = round(timer(fn, min_runs=20 if ours else 5, target_ms=300 if ours else 1000), 5)
-        except Exception as exc:  # e.g. out of memory in a baseline: report it
-            row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
-            log(f"  {name}: {method} backward failed: {row['errors'][method]}")
-        fn = None
+            return timer(fn, min_runs=20 if ours else 5, target_ms=300 if ours else 1000)
+        finally:
+            fn = None
+            torch.cuda.empty_cache()
+
+    def failed(method, exc):  # e.g. out of memory in a baseline: report it
+        row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
+        log(f"  {name}: {method} backward failed: {row['errors'][method]}")
         torch.cuda.empty_cache()
+
+    record_times(row, *time_in_rounds([m for m in methods if m in runners], measure, rounds, failed), rounds)
     row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
     if "na3d" in row["ms"]:
         record_speedups(row)
@@ -949,6 +988,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--commit", default=None, help="git sha of the measured tree (default: git rev-parse)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--backward", action="store_true", help="also time the backward (bwd rows)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the methods of each row in this many rounds, taking turns (and a strided "
+                             "row's dense base as often), and keep the medians: on a GPU at its power cap the "
+                             "clock moves between measurements (NOTES v38)")
     parser.add_argument("--no-forward", action="store_true", help="skip the forward rows")
     parser.add_argument("--decoder", action="store_true",
                         help="also decode with the full-size LTX-2.5 decoder (needs diffusers; row ltx-decoder)")
@@ -1060,14 +1103,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             + (f" stride {spec['stride']}" if "stride" in spec else ""))
         if "stride" in spec:
             log(f"  {spec['name']}: dense cuDNN on the same tokens (the speed of light's base)")
-            spec = dict(spec, dense_ms=measure_dense_on_tokens(spec, timer, device))
+            spec = dict(spec, dense_ms=measure_dense_on_tokens(spec, timer, device, args.rounds))
             torch.cuda.empty_cache()
         if not args.no_forward:
-            rows.append(forward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer))
+            rows.append(forward_row(spec, timer, ceilings, device, methods, args.rounds, gpu_timer=gpu_timer))
             torch.cuda.empty_cache()
         if args.backward:
             natten_config = None if args.no_forward else rows[-1].get("natten_hopper_config")
-            rows.append(backward_row(spec, timer, ceilings, device, methods, gpu_timer=gpu_timer,
+            rows.append(backward_row(spec, timer, ceilings, device, methods, args.rounds, gpu_timer=gpu_timer,
                                      natten_forward_config=natten_config))
             if not args.no_forward:
                 add_bwd_over_fwd(rows[-1], rows[-2])
