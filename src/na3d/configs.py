@@ -237,10 +237,14 @@ def forward_config(
         ratio = geometry.issued_flops_ratio(shape, kernel_size, q_tile, kv_tile, is_causal, stride)
         gluon = option.get("sm90_gluon")
         if (weigh_gluon and gluon is not None and arch == "sm90" and "product_cost" in gluon
+                and head_dim in (64, 128) and dtype in (torch.float16, torch.bfloat16) and not any(is_causal)
+                and math.prod(q_tile) == 128
                 and geometry.full_products_share(shape, kernel_size, q_tile, kv_tile, is_causal, stride) == 1.0):
-            # Every box pair full: on sm90 the Gluon kernel runs it, whose products cost
-            # the measured fraction of the portable kernel's (so 20 % more products from
-            # boxes the grid's borders clip can still be the faster choice: Wan's grid).
+            # Every box pair full, and the call inside the Gluon kernel's limits as far
+            # as the table can tell (launch.sm90_block_sparse_slots checks the rest at
+            # launch): on sm90 that kernel runs it, whose products cost the measured
+            # fraction of the portable kernel's (so 20 % more products from boxes the
+            # grid's borders clip can still be the faster choice: Wan's grid).
             ratio *= float(gluon["product_cost"])
         # (The stride-aligned option, made for the call, wins a tie.)
         if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):

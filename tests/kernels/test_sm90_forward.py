@@ -72,6 +72,9 @@ def test_gluon_product_cost_takes_clipped_aligned_boxes_on_sm90():
     # 1367 ms: NOTES v38).
     assert configs.backward_config("sm90", (21, 30, 52), (8, 16, 16), 128, torch.bfloat16, (2, 8, 8),
                                    F).bucket == "dit_large_window"
+    # Where the Gluon kernel cannot run (head dim 96), the fewer products win.
+    assert configs.forward_config("sm90", (21, 30, 52), (8, 16, 16), 96, torch.bfloat16, (2, 8, 8),
+                                  F).bucket == "dit_large_window"
     # Without the weight, the fewer products win.
     assert geometry.issued_flops_ratio((21, 30, 52), (8, 16, 16), cfg.q_tile, cfg.kv_tile, F, (2, 8, 8)) > \
         geometry.issued_flops_ratio((21, 30, 52), (8, 16, 16), (2, 8, 4), (2, 8, 2), F, (2, 8, 8))
