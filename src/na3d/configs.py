@@ -275,7 +275,8 @@ def stride_aligned_option(strided: Dict, shape: Triple, kernel_size: Triple, str
     """A bucket's ``strided`` entry made a configuration for one strided call.
 
     The entry gives box sizes (``q_positions``, ``kv_positions``: queries and keys per
-    box, powers of two) and launch settings; the box sides are chosen here, among
+    box, powers of two; optionally ``dkdv_q_positions``, the queries per box dK/dV
+    scans, else ``q_positions``) and launch settings; the box sides are chosen here, among
     all power-of-two sides, for the least work on the call's grid with its stride:
     the products issued, those in masked box pairs counted ``MASKED_COST`` times
     those in full pairs (``geometry.full_box_pairs_1d``: no mask). Where a
@@ -289,12 +290,14 @@ def stride_aligned_option(strided: Dict, shape: Triple, kernel_size: Triple, str
     positions); None where not even those fit."""
     q_tile, kv_tile = _aligned_boxes(shape, kernel_size, stride, is_causal, strided["q_positions"],
                                      strided["kv_positions"], "queries")
+    # (dK/dV may scan smaller query boxes than the forward's: its two accumulators and
+    # two score tiles per step spill at 128 by 128 with head dim 128, NOTES v38.)
     k_box, q_box = _aligned_boxes(shape, kernel_size, stride, is_causal, strided["kv_positions"],
-                                  strided["q_positions"], "keys")
+                                  strided.get("dkdv_q_positions", strided["q_positions"]), "keys")
     if q_tile is None or k_box is None:
         return None
     option = {key: value for key, value in strided.items()
-              if key not in ("q_positions", "kv_positions", "why", "measured")}
+              if key not in ("q_positions", "kv_positions", "dkdv_q_positions", "why", "measured")}
     backward = dict(strided.get("backward", {}), dq=[q_tile, kv_tile], dkdv=[k_box, q_box])
     return dict(option, q_tile=q_tile, kv_tile=kv_tile, backward=backward)
 

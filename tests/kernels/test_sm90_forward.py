@@ -51,6 +51,21 @@ def test_strided_entries_pass_the_gluon_settings_through():
     assert configs._sm90_gluon(None) is None
 
 
+def test_strided_entries_may_give_dkdv_smaller_query_boxes():
+    # dkdv_q_positions: dK/dV scans boxes of that many queries (its accumulators and
+    # score tiles spill at 128 by 128, head dim 128: NOTES v38); the forward's and
+    # dQ's boxes stay; every pair still full on dit-hunyuan-s2x8x8.
+    entry = {"q_positions": 128, "kv_positions": 128, "num_warps": 8, "num_stages": 3}
+    shape, kernel, stride = (30, 48, 80), (18, 24, 24), (2, 8, 8)
+    same = configs.stride_aligned_option(entry, shape, kernel, stride, F)
+    half = configs.stride_aligned_option(dict(entry, dkdv_q_positions=64), shape, kernel, stride, F)
+    assert (half["q_tile"], half["kv_tile"], half["backward"]["dq"]) == (same["q_tile"], same["kv_tile"],
+                                                                       same["backward"]["dq"])
+    k_box, q_box = half["backward"]["dkdv"]
+    assert math.prod(q_box) == 64 and math.prod(same["backward"]["dkdv"][1]) == 128 and "dkdv_q_positions" not in half
+    assert all(launch.block_sparse_axes(k_box, q_box, kernel, F, stride, shape, (1, 1, 1), own="keys"))
+
+
 def test_sm90_table_takes_the_gluon_kernel_for_the_strided_dit_rows():
     # (measured on an H100: NOTES v37)
     for shape, kernel, stride, head_dim, want in (((30, 48, 80), (18, 24, 24), (2, 8, 8), 128, 3),
