@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from sass_loop import key_loops  # noqa: E402
 
 
-def compile_gluon(head_dim, q_box, kv_box, stages, switches, check=True):
+def compile_gluon(head_dim, q_box, kv_box, stages, switches, check=True, return_lse=False):
     """The compiled kernel (sm90, a driver that answers sm90; no GPU)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -58,7 +58,7 @@ def compile_gluon(head_dim, q_box, kv_box, stages, switches, check=True):
     flags = torch.empty(64, dtype=torch.int8)
     return na3d_fwd_sm90_kernel.warmup(
         descriptor(q_box), descriptor(kv_box), descriptor(kv_box), x, lse, flags, tuple(x.stride()[:5]), T, H, W,
-        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, False, check, grid=(1,), num_warps=4,
+        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, return_lse, check, grid=(1,), num_warps=4,
         **switches)
 
 

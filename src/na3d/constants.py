@@ -5,6 +5,8 @@ so that the launchers use them without importing Triton (the kernels bind them a
 # log2(e): the kernels' softmax runs in base 2 (``exp2``), so scores are scaled by
 # ``scale * LOG2_E`` and a natural-log log-sum-exp times it is in log2 units.
 LOG2_E = 1.4426950408889634
+# ln(2) = 1 / LOG2_E: a log-sum-exp kept in log2 units times it is the natural one.
+LN_2 = 0.6931471805599453
 
 # How a kernel masks the window along one axis (its ``MASK_T/H/W``;
 # ``launch.mask_modes`` picks):

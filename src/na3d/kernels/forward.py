@@ -7,6 +7,7 @@ import triton.language as tl
 # products (PyTorch's default for float32 matmul, not TF32); for 16-bit inputs the
 # option changes nothing, and unlike "tf32" every backend (NVIDIA and AMD) accepts it.
 
+from .. import constants
 from .groups import position_rows
 from .masks import key_scan_masks, key_scan_visible, no_mask, step_mask_bias
 from .memory import load_key_box
@@ -14,6 +15,8 @@ from .nonfinite import finite_part
 from .programs import program_keys, query_program, run_programs, store_query_tile
 from .softmax import online_softmax_step
 from .tiles import box_at, box_scan, first_box, first_masked_box, next_box, next_masked_box, split_scan
+
+LN_2 = tl.constexpr(constants.LN_2)
 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "tiles_h", "tiles_w", "n_tiles", "n_programs"])
@@ -121,7 +124,7 @@ def forward_tile(
     if RETURN_LSE:
         lse_rows = position_rows(batch, head, heads, box.t, box.h, box.w, prog.place, DILATION)
         # m_i is in log2 units of the scaled scores; convert to natural log.
-        tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=box.valid)
+        tl.store(LSE + lse_rows, (m_i + tl.math.log2(l_i)) * LN_2, mask=box.valid)
     # (A NaN lse comes with a NaN output row.)
     return nonfinite
 

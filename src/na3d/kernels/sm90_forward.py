@@ -31,6 +31,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
+from .. import constants
+
+LN_2 = gl.constexpr(constants.LN_2)
+
 
 @gluon.jit
 def _window_start(first, length, kernel_size, stride):
@@ -198,7 +202,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     if RETURN_LSE:
         lse_rows = (((batch * T + t).to(gl.int64) * H + h) * W + w) * heads + head
         gl.store(LSE + lse_rows, (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o))
-                 * 0.6931471805599453, mask=valid)
+                 * LN_2, mask=valid)
 
 
 @gluon.jit
