@@ -9,7 +9,8 @@ unpacked) and ``.peers`` (NATTEN's Hopper build), as benchmarks/NOTES.md and
 
 (carry [".whl", ".ck", ".peers"]; about 3-4 minutes on an H100, most of it the dense
 baselines and the first compilation of na3d's kernels; ``--only wan``, ``--only hunyuan``
-or ``--only comfy`` runs one part; each run merges its rows into the results file).
+or ``--only comfy`` runs one part; each run merges its rows into the results file;
+``--rounds N`` times the methods N times, taking turns, and keeps the medians).
 
 What it measures, in one process, median GPU time by CUDA events (``na3d.tools.common.Timer``,
 L2 flushed before each run), random bf16 weights at full width:
@@ -218,8 +219,11 @@ def switch_to(model, family: str, method) -> None:
 
 
 def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int, step_runs: int, methods: dict,
-             stamp: dict) -> List[dict]:
-    """The fwd and fwd+bwd rows of one model: every method timed on the same model and inputs."""
+             stamp: dict, rounds: int = 1) -> List[dict]:
+    """The fwd and fwd+bwd rows of one model: every method timed on the same model and
+    inputs. Over ``rounds`` rounds the methods take turns (the order rotating each
+    round) and each row keeps the median of its rounds (all of them in ``ms_rounds``):
+    an H100 at its power cap moves its clock between measurements (NOTES v38)."""
     model = build_model(family, spec, device, dtype)
     inputs = model_inputs(family, spec, device, dtype)
     config = dict(model.config)
@@ -251,31 +255,49 @@ def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int
         out = model(**inputs)[0]
         torch.nn.functional.mse_loss(out.float(), target).backward()
 
-    for method, how in methods.items():
-        log(f"  {name} {method}")
-        try:
-            switch_to(model, family, how)
-        except Exception as exc:  # e.g. a window the API refuses
-            fwd["errors"][method] = step["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
-            continue
-        model.disable_gradient_checkpointing()
-        model.eval()
-        reset_peak(device)
-        try:
-            fwd["ms"][method] = round(timer(forward, min_runs=runs, target_ms=0.0, max_runs=runs), 3)
-            outputs[method] = last.pop("out").float().cpu()
-        except Exception as exc:
-            fwd["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
-        model.enable_gradient_checkpointing()
-        model.train()
-        reset_peak(device)
-        try:
-            step["ms"][method] = round(timer(training_step, min_runs=step_runs, target_ms=0.0, max_runs=step_runs), 3)
-            step["peak_gib"][method] = peak_gib(device)
-        except Exception as exc:
-            step["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
-        model.zero_grad(set_to_none=True)
-        reset_peak(device)
+    times = {"fwd": {}, "step": {}}
+    order = list(methods)
+    for round_ in range(rounds):
+        turn = round_ % len(order)
+        for method in order[turn:] + order[:turn]:
+            how = methods[method]
+            if method in fwd["errors"] and method in step["errors"]:
+                continue
+            log(f"  {name} {method}" + (f" (round {round_ + 1})" if rounds > 1 else ""))
+            try:
+                switch_to(model, family, how)
+            except Exception as exc:  # e.g. a window the API refuses
+                fwd["errors"][method] = step["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            model.disable_gradient_checkpointing()
+            model.eval()
+            reset_peak(device)
+            if method not in fwd["errors"]:
+                try:
+                    times["fwd"].setdefault(method, []).append(
+                        timer(forward, min_runs=runs, target_ms=0.0, max_runs=runs))
+                    out = last.pop("out")
+                    if method not in outputs:
+                        outputs[method] = out.float().cpu()
+                except Exception as exc:
+                    fwd["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
+            model.enable_gradient_checkpointing()
+            model.train()
+            reset_peak(device)
+            if method not in step["errors"]:
+                try:
+                    times["step"].setdefault(method, []).append(
+                        timer(training_step, min_runs=step_runs, target_ms=0.0, max_runs=step_runs))
+                    step["peak_gib"][method] = peak_gib(device)
+                except Exception as exc:
+                    step["errors"][method] = f"{type(exc).__name__}: {exc}"[:300]
+            model.zero_grad(set_to_none=True)
+            reset_peak(device)
+    for row, key in ((fwd, "fwd"), (step, "step")):
+        done = {m: v for m, v in times[key].items() if m not in row["errors"]}
+        row["ms"] = {m: round(statistics.median(v), 3) for m, v in done.items()}
+        if rounds > 1:
+            row["ms_rounds"] = {m: [round(t, 3) for t in v] for m, v in done.items()}
     for row in (fwd, step):
         dense = row["ms"].get("dense")
         row["speedup_vs_dense"] = {m: round(dense / ms, 2) for m, ms in row["ms"].items() if dense and m != "dense"}
@@ -393,6 +415,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="timed forwards per method (median; after a warm-up "
                         "and a first timing run)")
     parser.add_argument("--step-runs", type=int, default=2, help="timed training steps per method (median)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the methods in this many rounds, taking turns, and keep the medians (an H100 at "
+                             "its power cap moves its clock between measurements)")
     parser.add_argument("--wan-strided", type=int, nargs=6, default=None, metavar=("KT", "KH", "KW", "ST", "SH", "SW"),
                         help="Wan's strided window: kernel and stride (default 8 16 16 2 8 8)")
     parser.add_argument("--no-natten", action="store_true", help="skip NATTEN")
@@ -451,7 +476,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if family == "wan" and args.wan_strided is not None:
             spec["strided"] = (tuple(args.wan_strided[:3]), tuple(args.wan_strided[3:]))
         methods = methods_for(family, spec, natten_backend, with_natten)
-        rows += dit_rows(family, row_name, spec, timer, device, dtype, args.runs, args.step_runs, methods, stamp)
+        rows += dit_rows(family, row_name, spec, timer, device, dtype, args.runs, args.step_runs, methods, stamp,
+                         args.rounds)
         save(complete=False)
     if "comfy" in parts:
         log("[comfy-ltx]")
