@@ -18,48 +18,13 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "src"), HERE]
+sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests", "kernels"),
+                 os.path.join(HERE, "..", "tests"), HERE]
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 
 from sass_loop import key_loops  # noqa: E402
-
-
-def compile_gluon(head_dim, q_box, kv_box, stages, switches, check=True, return_lse=False):
-    """The compiled kernel (sm90, a driver that answers sm90; no GPU)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.driver import driver
-
-    from na3d.kernels.sm90_forward import na3d_fwd_sm90_kernel
-
-    class Sm90Driver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    driver.set_active(Sm90Driver())
-    B, T, H, W, NH = 1, 8, 32, 32, 2
-    x = torch.empty(B, T, H, W, NH, head_dim, dtype=torch.bfloat16)
-
-    def descriptor(box):
-        block = [1, *box, head_dim]
-        return TensorDescriptor(x, [B, T, H, W, NH * head_dim], list(x.stride()[:4]) + [1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
-    lse = torch.empty(B, T, H, W, NH)
-    flags = torch.empty(64, dtype=torch.int8)
-    return na3d_fwd_sm90_kernel.warmup(
-        descriptor(q_box), descriptor(kv_box), descriptor(kv_box), x, lse, flags, tuple(x.stride()[:5]), T, H, W,
-        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, return_lse, check, grid=(1,), num_warps=4,
-        **switches)
+from test_sm90_forward import build_gluon_for_sm90  # noqa: E402
 
 
 def main() -> None:
@@ -73,7 +38,8 @@ def main() -> None:
     parser.add_argument("--dump", action="store_true", help="print each loop's instructions")
     args = parser.parse_args()
     switches = {name: int(value) for name, value in (s.split("=") for s in args.switch)}
-    kernel = compile_gluon(args.head_dim, tuple(args.q_box), tuple(args.kv_box), args.stages, switches, not args.no_check)
+    kernel = build_gluon_for_sm90(args.head_dim, tuple(args.q_box), tuple(args.kv_box), args.stages,
+                                  return_lse=False, check=not args.no_check, **switches)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "k.ptx")

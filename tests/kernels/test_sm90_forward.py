@@ -261,11 +261,10 @@ def table_gluon_configs():
     return found
 
 
-def compile_gluon_for_sm90(head_dim, q_box, kv_box, stages):
-    """Compile the Gluon forward for sm90 (no GPU: a driver that answers sm90); return
-    (shared memory bytes, ptxas's report)."""
+def build_gluon_for_sm90(head_dim, q_box, kv_box, stages, return_lse=True, check=True, **switches):
+    """The Gluon forward compiled for sm90 (no GPU: a driver that answers sm90), with
+    ``switches`` (its measurement switches); also ``benchmarks/sm90_gluon_sass.py``'s."""
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.driver import driver
@@ -293,9 +292,18 @@ def compile_gluon_for_sm90(head_dim, q_box, kv_box, stages):
 
     lse = torch.empty(B, T, H, W, NH)
     flags = torch.empty(64, dtype=torch.int8)
-    kernel = na3d_fwd_sm90_kernel.warmup(
+    return na3d_fwd_sm90_kernel.warmup(
         descriptor(q_box), descriptor(kv_box), descriptor(kv_box), x, lse, flags, tuple(x.stride()[:5]), T, H, W,
-        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, True, True, grid=(1,), num_warps=4)
+        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, return_lse, check, grid=(1,),
+        num_warps=4, **switches)
+
+
+def compile_gluon_for_sm90(head_dim, q_box, kv_box, stages):
+    """Compile the Gluon forward for sm90 (:func:`build_gluon_for_sm90`); return
+    (shared memory bytes, ptxas's report)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    kernel = build_gluon_for_sm90(head_dim, q_box, kv_box, stages)
     import tempfile
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
