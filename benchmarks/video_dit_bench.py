@@ -25,7 +25,9 @@ L2 flushed before each run), random bf16 weights at full width:
   default processors, SDPA), ``na3d`` (window 9x15x15), ``na3d_strided`` (window 8x16x16,
   2048 keys, stride 2x8x8: block-sparse on this grid with the boxes na3d picks;
   ``--wan-strided``), ``natten`` and ``natten_strided`` (NATTEN's Hopper FNA through the
-  same switch, its default configuration), where NATTEN imports.
+  same switch, its default configuration), where NATTEN imports; with ``--attention-free``,
+  ``attention_free``: the same switch with an operator that attends to nothing (the
+  model's time outside self-attention, so the ceiling of any attention's speedup).
 * ``hunyuan-blocks``: ``HunyuanVideoTransformer3DModel`` at full width (24 heads of 128)
   with two blocks, one dual-stream and one single-stream (and its text refiner), on the
   30x48x80 token grid (latent 1x16x30x96x160) with 256 text tokens, the last 64 of them
@@ -155,6 +157,28 @@ def natten_processors(backend: Optional[str]):
     return {"wan": NattenWan, "hunyuan": NattenHunyuan}
 
 
+def attention_free_processors():
+    """The same switch with an operator that attends to nothing: the output is the values (plus the queries
+    and keys times zero, so that every projection stays in the graph, forward and backward). What the model
+    spends outside self-attention, measured: the ceiling of any attention's speedup over dense."""
+    from na3d.diffusers import HunyuanVideoNA3DProcessor, WanNA3DProcessor
+
+    class NoAttention:
+        def attention(self, query, key, value, return_lse=False):
+            out = value + (query + key) * 0
+            if not return_lse:
+                return out
+            return out, torch.zeros(query.shape[:-1], device=query.device, dtype=torch.float32)
+
+    class NoAttentionWan(NoAttention, WanNA3DProcessor):
+        pass
+
+    class NoAttentionHunyuan(NoAttention, HunyuanVideoNA3DProcessor):
+        pass
+
+    return {"wan": NoAttentionWan, "hunyuan": NoAttentionHunyuan}
+
+
 def build_model(family: str, spec: dict, device, dtype):
     """A randomly initialized model on ``device``: parameters in ``dtype``, except those diffusers keeps in
     float32 when loading a checkpoint in ``dtype`` (``_keep_in_fp32_modules``); buffers as created."""
@@ -189,13 +213,16 @@ def model_inputs(family: str, spec: dict, device, dtype) -> dict:
                 guidance=torch.tensor([6000.0], device=device, dtype=dtype))
 
 
-def methods_for(family: str, spec: dict, natten_backend: Optional[str], with_natten: bool) -> dict:
+def methods_for(family: str, spec: dict, natten_backend: Optional[str], with_natten: bool,
+                attention_free: bool = False) -> dict:
     """name -> (kernel_size, stride, processor class or None for na3d's); ``dense`` is None."""
     kernel, stride = spec["strided"]
     methods = {"dense": None, "na3d": (spec["kernel"], 1, None), "na3d_strided": (kernel, stride, None)}
     if with_natten:
         natten = natten_processors(natten_backend)[family]
         methods.update(natten=(spec["kernel"], 1, natten), natten_strided=(kernel, stride, natten))
+    if attention_free:
+        methods.update(attention_free=(spec["kernel"], 1, attention_free_processors()[family]))
     return methods
 
 
@@ -378,6 +405,8 @@ def print_tables(rows: List[dict]) -> None:
     dits = [r for r in rows if "speedup_vs_dense" in r]
     if dits:
         methods = ["dense", "na3d", "na3d_strided", "natten", "natten_strided"]
+        if any("attention_free" in r["ms"] for r in dits):
+            methods.append("attention_free")
         log(f"\n{'row':<16}{'pass':<9}" + "".join(f"{m:>16}" for m in methods) + "   x dense (na3d, strided)")
         for r in dits:
             cells = "".join(f"{r['ms'][m]:>13.1f} ms" if m in r["ms"] else f"{'-':>16}" for m in methods)
@@ -421,6 +450,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--wan-strided", type=int, nargs=6, default=None, metavar=("KT", "KH", "KW", "ST", "SH", "SW"),
                         help="Wan's strided window: kernel and stride (default 8 16 16 2 8 8)")
     parser.add_argument("--no-natten", action="store_true", help="skip NATTEN")
+    parser.add_argument("--attention-free", action="store_true",
+                        help="also time the model with an operator that attends to nothing (method attention_free: "
+                             "the time spent outside self-attention, the ceiling of any attention's speedup)")
     parser.add_argument("--tiny", action="store_true", help="tiny models and shapes on the CPU: the logic only")
     parser.add_argument("--out-dir", default=None,
                         help="where <card>.json goes (default benchmarks/results; --tiny: a temporary folder)")
@@ -475,7 +507,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         spec = dict(specs[family])
         if family == "wan" and args.wan_strided is not None:
             spec["strided"] = (tuple(args.wan_strided[:3]), tuple(args.wan_strided[3:]))
-        methods = methods_for(family, spec, natten_backend, with_natten)
+        methods = methods_for(family, spec, natten_backend, with_natten, args.attention_free)
         rows += dit_rows(family, row_name, spec, timer, device, dtype, args.runs, args.step_runs, methods, stamp,
                          args.rounds)
         save(complete=False)
