@@ -2,10 +2,10 @@
 # One device call (under 10 minutes), NOTES v39: issue 34's rows from this tree.
 #   1. The feature rows, forward and backward (`python -m na3d.bench --features --backward`), merged into the
 #      committed results file (its other rows kept), GPU time by graph replay.
-#   2. The LTX A/B: this tree, default and assume_finite, against 324d74b (issue 34's baseline), every LTX row
-#      (ltx-stage5-tile included), trees alternating, until 540 s.
+#   2. The LTX A/B: this tree, default and assume_finite, against 324d74b (issue 34's baseline) and ba6a957
+#      (issue 33's), every LTX row (ltx-stage5-tile included), trees alternating, until 540 s.
 # Prepare here, then carry [".ab"]:
-#   rm -rf .ab && mkdir -p .ab/324d74b && git archive 324d74b src | tar -x -C .ab/324d74b
+#   rm -rf .ab && for r in 324d74b ba6a957; do mkdir -p .ab/$r && git archive $r src | tar -x -C .ab/$r; done
 # Usage: bash benchmarks/gpu_session_v49.sh <commit of this tree>
 # Predictions (v24 at 843207e on an H200, v35/v37 on an H100): feature over plain by GPU time, GQA and MQA
 # forwards 0.92-0.97, GQA backward 0.92-0.98, MQA backward about 1.05 on feature-base (unchanged since v24:
@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_thr
 echo "=== 1. feature rows"
 RESULTS=benchmarks/results/h100.json
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && RESULTS=benchmarks/results/h200.json
-timeout 300 env PYTHONPATH=src python3 -m na3d.bench --features --backward --merge $RESULTS --commit $COMMIT \
+timeout 260 env PYTHONPATH=src python3 -m na3d.bench --features --backward --merge $RESULTS --commit $COMMIT \
   --out-dir $OUT > $OUT/features.log 2>&1
 echo "features rc=$? at ${SECONDS}s"; grep -A40 "feature" $OUT/features.log | tail -40
 echo "=== 2. LTX A/B against 324d74b"
@@ -30,20 +30,20 @@ LTX="ltx-stage1 ltx-stage3 ltx-stage4-tile ltx-stage5-tile ltx-stage5-small edge
 late() { [ $SECONDS -gt 540 ] && echo "skipped (at ${SECONDS}s): $*" && return 0; return 1; }
 ab() { late ab $1 && return; timeout 80 env PYTHONPATH=$2 python3 benchmarks/ab_gpu_time.py --tag $1 --repeats 3 \
   --shapes $LTX ${3:-} >> $OUT/ab.jsonl 2>> $OUT/ab.err; echo "ab $1 rc=$? at ${SECONDS}s"; }
-ab a324 .ab/324d74b/src; ab new src; ab newaf src --assume-finite
-ab newaf src --assume-finite; ab new src; ab a324 .ab/324d74b/src
-ab a324 .ab/324d74b/src; ab new src; ab newaf src --assume-finite
+ab a324 .ab/324d74b/src; ab new src; ab newaf src --assume-finite; ab aba6 .ab/ba6a957/src
+ab aba6 .ab/ba6a957/src; ab newaf src --assume-finite; ab new src; ab a324 .ab/324d74b/src
 python3 - <<'PY'
 import json, statistics, os
-tags = ("a324", "new", "newaf")
+tags = ("a324", "aba6", "new", "newaf")
 d = {}
 for r in (json.loads(l) for l in open(os.path.join(os.environ["OUT"], "ab.jsonl")) if l.startswith("{")):
     d.setdefault((r["name"], r["pass"]), {}).setdefault(r["tag"], []).append(r["gpu_ms"])
-print(f"{'shape':<18}{'pass':>5}" + "".join(f"{t:>9}" for t in tags) + f"{'new/a324':>10}{'new/af':>8}")
+print(f"{'shape':<18}{'pass':>5}" + "".join(f"{t:>9}" for t in tags) + f"{'new/a324':>10}{'new/aba6':>10}{'new/af':>8}")
 for (n, p), t in d.items():
     m = {k: statistics.median(v) for k, v in t.items()}
     nan = float("nan")
     print(f"{n:<18}{p:>5}" + "".join(f"{m.get(k, nan):>9.4f}" for k in tags)
-          + f"{m.get('new', nan) / m.get('a324', nan):>10.3f}{m.get('new', nan) / m.get('newaf', nan):>8.3f}")
+          + f"{m.get('new', nan) / m.get('a324', nan):>10.3f}{m.get('new', nan) / m.get('aba6', nan):>10.3f}"
+          + f"{m.get('new', nan) / m.get('newaf', nan):>8.3f}")
 PY
 echo "done at ${SECONDS}s"
