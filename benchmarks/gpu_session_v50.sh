@@ -13,7 +13,10 @@ COMMIT=${1:-unknown}
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env.txt
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv,noheader -lms 500 > $OUT/clocks.csv 2>&1 &
-python3 -m pip install -q --no-index --find-links .whl --target /tmp/site diffusers==0.42.1 > $OUT/pip.log 2>&1
+# (as gpu_session_v46.sh: into the image's Python first, whose numpy .whl does not carry)
+python3 -m pip install -q --no-index --find-links .whl diffusers==0.42.1 > $OUT/pip.log 2>&1 \
+  || python3 -m pip install -q --user --no-index --find-links .whl diffusers==0.42.1 >> $OUT/pip.log 2>&1 \
+  || python3 -m pip install -q --no-index --find-links .whl --target /tmp/site diffusers==0.42.1 >> $OUT/pip.log 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src
 mkdir -p $OUT/results  # a file of its own (no NATTEN here: the committed rows with NATTEN stay as they are)
 timeout 540 python3 benchmarks/video_dit_bench.py --only wan --no-natten --attention-free --rounds 2 \

@@ -18,7 +18,10 @@ timeout 420 env PYTHONPATH=$PWD/.peers:$PWD/src python3 -m na3d.bench --group st
 echo "bench rc=$? at ${SECONDS}s"; tail -24 $OUT/strided_bench.log
 echo "=== 2. Wan, attention-free beside dense and na3d"
 if [ $SECONDS -lt 440 ]; then
-  python3 -m pip install -q --no-index --find-links .whl --target /tmp/site diffusers==0.42.1 > $OUT/pip.log 2>&1
+  # (as gpu_session_v46.sh: into the image's Python first, whose numpy .whl does not carry)
+  python3 -m pip install -q --no-index --find-links .whl diffusers==0.42.1 > $OUT/pip.log 2>&1 \
+    || python3 -m pip install -q --user --no-index --find-links .whl diffusers==0.42.1 >> $OUT/pip.log 2>&1 \
+    || python3 -m pip install -q --no-index --find-links .whl --target /tmp/site diffusers==0.42.1 >> $OUT/pip.log 2>&1
   mkdir -p $OUT/wan
   timeout $((585 - SECONDS)) env PYTHONPATH=/tmp/site:$PWD/src python3 benchmarks/video_dit_bench.py --only wan \
     --no-natten --attention-free --commit $COMMIT --out-dir $OUT/wan > $OUT/wan_bench.log 2>&1
