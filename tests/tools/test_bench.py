@@ -232,6 +232,37 @@ def test_strided_rows_carry_their_stride_and_speed_of_light(monkeypatch):
     assert 0 <= bwd["full_products_share"]["dq"] <= 1 and 0 <= fwd["full_products_share"] <= 1
 
 
+def test_gpu_time_takes_its_turn_in_the_rounds():
+    """With a GPU timer, na3d's GPU time is measured in every round beside the eager
+    timings (its turn rotating with theirs) and kept as their median (``gpu_ms``, and
+    ``gpu_ms_rounds`` over more than one round); in one round it comes last, as before."""
+    calls = []
+
+    def timer(fn, min_runs=1, target_ms=0, max_runs=1):
+        fn()
+        calls.append("eager")
+        return 2.0
+
+    gpu_times = iter([3.0, 5.0, 4.0, 9.0, 6.0, 1.0])
+
+    def gpu_timer(fn, min_runs=1, target_ms=0, max_runs=1):
+        fn()
+        calls.append("gpu")
+        return next(gpu_times)
+
+    spec = {"name": "small", "shape": [1, 2, 4, 4, 1, 16], "kernel_size": [1, 3, 3]}
+    ceilings = {"copy_tbs": 4.0, "dense_attn_tflops": 300.0}
+    fwd = bench.forward_row(spec, timer, ceilings, "cpu", ["na3d"], rounds=2, dtype=torch.float32,
+                            gpu_timer=gpu_timer)
+    assert calls == ["eager", "gpu", "gpu", "eager"]
+    assert fwd["gpu_ms_rounds"] == {"na3d": [3.0, 5.0]} and fwd["gpu_ms"] == {"na3d": 4.0}
+    assert set(fwd["ms"]) == {"na3d"} and bench.GPU_TIME not in fwd.get("ms_rounds", {})
+    # The backward's GPU time: forward + backward minus the forward, per round.
+    bwd = bench.backward_row(spec, timer, ceilings, "cpu", ["na3d"], dtype=torch.float32, gpu_timer=gpu_timer)
+    assert bwd["gpu_ms"] == {"na3d": 4.0 - 9.0} and "gpu_ms_rounds" not in bwd
+    assert bench.GPU_TIME not in bwd["ms"] and calls[-2:] == ["gpu", "gpu"]
+
+
 def test_features_and_their_row_names():
     assert list(bench.FEATURES) == ["gqa-8on2", "mqa", "dilation-122", "dilation-222", "causal-t", "causal-thw", "lse"]
     bases = bench.feature_bases()

@@ -260,20 +260,20 @@ def forward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, me
             row["flex_error"] = f"{type(exc).__name__}: {exc}"[:500]
             log(f"  {name}: flex failed: {row['flex_error']}")
     def measure(method):
+        if method == GPU_TIME:
+            log(f"  {name}: GPU time of na3d (graph replay)")
+            return gpu_timer(runners["na3d"], min_runs=20, target_ms=300)
         log(f"  {name}: timing {method}")
         slow = method != "na3d"
         return timer(runners[method], min_runs=5 if slow else 20, target_ms=1000 if slow else 300)
 
     def failed(method, exc):  # e.g. out of memory in a baseline: report it
-        if method == "na3d":
+        if method in ("na3d", GPU_TIME):
             raise exc
         fail(row, method, exc)
 
-    record_times(row, *time_in_rounds([m for m in methods if m in runners], measure, rounds, failed), rounds)
-    row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
-    if gpu_timer is not None and "na3d" in row["ms"]:
-        log(f"  {name}: GPU time of na3d (graph replay)")
-        record_gpu_time(row, gpu_timer(runners["na3d"], min_runs=20, target_ms=300), floor_ms)
+    timed = [m for m in methods if m in runners] + ([GPU_TIME] if gpu_timer is not None else [])
+    record_rounds(row, *time_in_rounds(timed, measure, rounds, failed), rounds, floor_ms)
     record_speed_of_light(row)
     if "na3d" in row["ms"]:
         t = row["ms"]["na3d"] * 1e-3
@@ -305,6 +305,25 @@ def time_in_rounds(methods: List[str], measure: Callable[[str], float], rounds: 
                 on_error(method, exc)
     done = {m: v for m, v in times.items() if v and m not in failed}
     return {m: statistics.median(v) for m, v in done.items()}, done
+
+
+# The pseudo-method under which na3d's GPU time (CUDA-graph replay) takes its turn in the
+# rounds beside the eager timings: a clock that moves between measurements weighs on it too.
+GPU_TIME = "na3d (GPU time)"
+
+
+def record_rounds(row: dict, medians: Dict[str, float], per_round: Dict[str, List[float]], rounds: int,
+                  floor_ms: float) -> None:
+    """A row's times from :func:`time_in_rounds`: the methods' (``ms``, ``ms_rounds``,
+    ``x_floor``) and na3d's GPU time (``gpu_ms``, ``gpu_x_floor``, over more than one
+    round ``gpu_ms_rounds``) where it was measured."""
+    gpu, gpu_rounds = medians.pop(GPU_TIME, None), per_round.pop(GPU_TIME, None)
+    record_times(row, medians, per_round, rounds)
+    row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    if gpu is not None and "na3d" in row["ms"]:
+        record_gpu_time(row, gpu, floor_ms)
+        if rounds > 1:
+            row["gpu_ms_rounds"] = {"na3d": [round(t, 5) for t in gpu_rounds]}
 
 
 def record_times(row: dict, medians: Dict[str, float], per_round: Dict[str, List[float]], rounds: int) -> None:
@@ -516,6 +535,13 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
     del ref
     torch.cuda.empty_cache()
     def measure(method):
+        if method == GPU_TIME:
+            log(f"  {name}: GPU time of na3d's backward (graph replay, minus the forward's)")
+            try:
+                return backward_gpu_ms(gpu_timer, functools.partial(na3d, kernel_size=ks, scale=scale, stride=stride),
+                                       leaves, do)
+            finally:
+                torch.cuda.empty_cache()
         log(f"  {name}: timing {method} backward")
         fn = runners[method]()
         ours = method.startswith("na3d")
@@ -526,19 +552,16 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
             torch.cuda.empty_cache()
 
     def failed(method, exc):  # e.g. out of memory in a baseline: report it
+        if method == GPU_TIME:
+            raise exc
         row.setdefault("errors", {})[method] = f"{type(exc).__name__}: {exc}"[:300]
         log(f"  {name}: {method} backward failed: {row['errors'][method]}")
         torch.cuda.empty_cache()
 
-    record_times(row, *time_in_rounds([m for m in methods if m in runners], measure, rounds, failed), rounds)
-    row["x_floor"] = {m: round(t / floor_ms, 3) for m, t in row["ms"].items()}
+    timed = [m for m in methods if m in runners] + ([GPU_TIME] if gpu_timer is not None else [])
+    record_rounds(row, *time_in_rounds(timed, measure, rounds, failed), rounds, floor_ms)
     if "na3d" in row["ms"]:
         record_speedups(row)
-    if gpu_timer is not None and "na3d" in row["ms"]:
-        log(f"  {name}: GPU time of na3d's backward (graph replay, minus the forward's)")
-        fn = functools.partial(na3d, kernel_size=ks, scale=scale, stride=stride)
-        record_gpu_time(row, backward_gpu_ms(gpu_timer, fn, leaves, do), floor_ms)
-        torch.cuda.empty_cache()
     record_speed_of_light(row)
     return row
 
