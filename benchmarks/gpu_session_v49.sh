@@ -6,7 +6,8 @@
 #      (issue 33's), every LTX row (ltx-stage5-tile included), trees alternating, until 540 s.
 # Prepare here, then carry [".ab"]:
 #   rm -rf .ab && for r in 324d74b ba6a957; do mkdir -p .ab/$r && git archive $r src | tar -x -C .ab/$r; done
-# Usage: bash benchmarks/gpu_session_v49.sh <commit of this tree>
+# Usage: [FEATURES_S=260] [LATE=540] bash benchmarks/gpu_session_v49.sh <commit of this tree>
+#   (FEATURES_S: step 1's limit; LATE: no A/B run starts after this many seconds)
 # Predictions (v24 at 843207e on an H200, v35/v37 on an H100): feature over plain by GPU time, GQA and MQA
 # forwards 0.92-0.97, GQA backward 0.92-0.98, MQA backward about 1.05 on feature-base (unchanged since v24:
 # its dK/dV programs are as many and as long), dilation (2,2,2) backward about 1.2 (v35's boxes; the tiling's
@@ -22,12 +23,12 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_thr
 echo "=== 1. feature rows"
 RESULTS=benchmarks/results/h100.json
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && RESULTS=benchmarks/results/h200.json
-timeout 260 env PYTHONPATH=src python3 -m na3d.bench --features --backward --merge $RESULTS --commit $COMMIT \
+timeout ${FEATURES_S:-260} env PYTHONPATH=src python3 -m na3d.bench --features --backward --merge $RESULTS --commit $COMMIT \
   --out-dir $OUT > $OUT/features.log 2>&1
 echo "features rc=$? at ${SECONDS}s"; grep -A40 "feature" $OUT/features.log | tail -40
 echo "=== 2. LTX A/B against 324d74b"
 LTX="ltx-stage1 ltx-stage3 ltx-stage4-tile ltx-stage5-tile ltx-stage5-small edge-wide"
-late() { [ $SECONDS -gt 540 ] && echo "skipped (at ${SECONDS}s): $*" && return 0; return 1; }
+late() { [ $SECONDS -gt ${LATE:-540} ] && echo "skipped (at ${SECONDS}s): $*" && return 0; return 1; }
 ab() { late ab $1 && return; timeout 80 env PYTHONPATH=$2 python3 benchmarks/ab_gpu_time.py --tag $1 --repeats 3 \
   --shapes $LTX ${3:-} >> $OUT/ab.jsonl 2>> $OUT/ab.err; echo "ab $1 rc=$? at ${SECONDS}s"; }
 ab a324 .ab/324d74b/src; ab new src; ab newaf src --assume-finite; ab aba6 .ab/ba6a957/src
