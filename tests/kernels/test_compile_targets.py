@@ -292,8 +292,11 @@ def compile_in_fresh_interpreter(*args):
 
 
 @pytest.mark.skipif(triton is None, reason="Triton is not installed")
-@pytest.mark.parametrize("arch", ["sm90", "gfx942"])
+@pytest.mark.parametrize("arch", ["sm90"])
 def test_first_configuration_compiles_for_target(arch):
+    # The default run's compile check: sm90, the measured target (its first table
+    # configuration, every variant). The other targets, gfx942's first configuration
+    # included, compile with every configuration in the slow run (below).
     compile_in_fresh_interpreter(arch, "--first")
 
 

@@ -246,11 +246,14 @@ FP32_LSE_MISS = pytest.mark.xfail(strict=True, reason="fp32 dV 1.05x the same-ma
 
 
 def fuzz_marks(seed):
-    """Seeds past 0 are slow; seed 2 misses only in fp32 (on a GPU it runs in bf16)."""
+    """Seed 2 misses only in fp32 (on a GPU it runs in bf16)."""
     fp32 = DTYPES[seed % len(DTYPES)] == torch.float32
-    return [m for m, on in ((pytest.mark.slow, seed != 0), (FP32_LSE_MISS, seed == 2 and fp32)) if on]
+    return [FP32_LSE_MISS] if seed == 2 and fp32 else []
 
 
+# Slow, every seed: the split is set in no table, and the default run keeps its fixed cases
+# (test_split_matches_oracle_and_one_loop and the non-finite ones above).
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=fuzz_marks(s)) for s in range(8)])
 def test_split_on_random_configs(seed):
     # Every kernel split (forward, dQ, dK/dV) on random small problems holding full and
