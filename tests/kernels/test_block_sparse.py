@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import na3d
-from na3d import configs, launch
+from na3d import launch
 from na3d.configs import BackwardConfig, ForwardConfig
 from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv, poisoned_like, slow_except
 
