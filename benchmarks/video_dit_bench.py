@@ -136,33 +136,32 @@ def reset_peak(device) -> None:
 # The models and the methods: one switch, several attention operators
 # ---------------------------------------------------------------------------------------
 
-def natten_processors(backend: Optional[str]):
-    """WanNA3DProcessor and HunyuanVideoNA3DProcessor with NATTEN as their operator: the same switch,
-    the same projections, NATTEN's ``na3d`` (contiguous inputs: NATTEN misreads strided ones)."""
+def processors_with(operator: type) -> dict:
+    """WanNA3DProcessor and HunyuanVideoNA3DProcessor with ``operator``'s ``attention`` in place of
+    na3d's: the same switch, the same projections, another operator."""
     from na3d.diffusers import HunyuanVideoNA3DProcessor, WanNA3DProcessor
 
-    class NattenAttention:
+    return {"wan": type(f"{operator.__name__}Wan", (operator, WanNA3DProcessor), {}),
+            "hunyuan": type(f"{operator.__name__}Hunyuan", (operator, HunyuanVideoNA3DProcessor), {})}
+
+
+def natten_processors(backend: Optional[str]) -> dict:
+    """The processors with NATTEN's ``na3d`` as their operator (contiguous inputs: NATTEN misreads
+    strided ones)."""
+    class Natten:
         def attention(self, query, key, value, return_lse=False):
             import natten
             query, key, value = (x.contiguous() for x in (query, key, value))
             return natten.na3d(query, key, value, self.kernel_size, stride=self.stride, dilation=self.dilation,
                                is_causal=self.is_causal, return_lse=return_lse, backend=backend)
 
-    class NattenWan(NattenAttention, WanNA3DProcessor):
-        pass
-
-    class NattenHunyuan(NattenAttention, HunyuanVideoNA3DProcessor):
-        pass
-
-    return {"wan": NattenWan, "hunyuan": NattenHunyuan}
+    return processors_with(Natten)
 
 
-def attention_free_processors():
-    """The same switch with an operator that attends to nothing: the output is the values (plus the queries
+def attention_free_processors() -> dict:
+    """The processors with an operator that attends to nothing: the output is the values (plus the queries
     and keys times zero, so that every projection stays in the graph, forward and backward). What the model
     spends outside self-attention, measured: the ceiling of any attention's speedup over dense."""
-    from na3d.diffusers import HunyuanVideoNA3DProcessor, WanNA3DProcessor
-
     class NoAttention:
         def attention(self, query, key, value, return_lse=False):
             out = value + (query + key) * 0
@@ -170,13 +169,7 @@ def attention_free_processors():
                 return out
             return out, torch.zeros(query.shape[:-1], device=query.device, dtype=torch.float32)
 
-    class NoAttentionWan(NoAttention, WanNA3DProcessor):
-        pass
-
-    class NoAttentionHunyuan(NoAttention, HunyuanVideoNA3DProcessor):
-        pass
-
-    return {"wan": NoAttentionWan, "hunyuan": NoAttentionHunyuan}
+    return processors_with(NoAttention)
 
 
 def build_model(family: str, spec: dict, device, dtype):
