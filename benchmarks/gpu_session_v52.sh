@@ -3,6 +3,8 @@
 # boxes in), every method timed in two rounds taking turns, the clock logged; then, with the time left, Wan
 # with its attention-free model beside dense and na3d (one round, no NATTEN; a results file of its own).
 # Carry [".peers", ".whl"]. Usage: bash benchmarks/gpu_session_v52.sh <commit of this tree>
+# (Ran once, at 912d2ab: step 1 as written; step 2 failed installing diffusers into --target /tmp/site, where
+# .whl carries no numpy. Its install lines were changed after that run to gpu_session_v46.sh's.)
 # Predictions (v43, v48; H100): forwards 24.3-27.4 ms at head dim 128 (x_sol 1.04-1.13), 5.2 at head dim 64,
 # na3d at or below NATTEN's forward on every strided row with turns and medians; backwards about 105, 121 and
 # 26 ms. Wan: attention-free about 290 ms against dense 642 (docs/video_dits.md's estimate).
