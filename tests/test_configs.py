@@ -25,6 +25,23 @@ def test_register_caps_in_configs():
             configs.backward_config(arch, (16, 32, 32), bucket_kernel, 64, torch.bfloat16)
 
 
+def test_register_cap_narrowed_by_its_condition():
+    # sm90's medium_window forward caps registers at 128 for head dims up to 64 (four
+    # programs of four warps per SM), and not at 128, where the cap would spill.
+    from na3d import configs
+
+    def cap(head_dim):
+        return configs.forward_config("sm90", (4, 8, 128), (3, 5, 27), head_dim, torch.bfloat16).maxnreg
+
+    assert (cap(32), cap(64), cap(128)) == (128, 128, None)
+    option = {"maxnreg": 168, "maxnreg_when": {"kernel_volume_min": 1000}}
+    assert configs._register_cap(option, 64, (11, 11, 11), torch.float16) == 168
+    assert configs._register_cap(option, 64, (3, 5, 5), torch.float16) is None
+    assert configs._register_cap({"maxnreg": 168}, 64, (3, 5, 5), torch.float16) == 168
+    with pytest.raises(ValueError, match="unknown condition"):
+        configs._register_cap({"maxnreg": 168, "maxnreg_when": {"heads": 8}}, 64, (3, 5, 5), torch.float16)
+
+
 def test_bucket_alternatives_chosen_by_issued_products():
     # The 11x11x11 bucket's alternatives replace the option before them only where
     # the T borders make them issue at least 5 % fewer products: boxes 8 frames deep

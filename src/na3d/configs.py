@@ -36,7 +36,9 @@ class ForwardConfig:
     through tensor descriptors where the GPU and the tensors' layout allow (see
     ``launch.tma_layout_ok``); elsewhere the kernel loads through pointers.
     ``maxnreg``: a cap on registers per thread (NVIDIA only, passed to the compiler),
-    or None for the compiler's choice; a lower cap fits more programs on an SM.
+    or None for the compiler's choice; a lower cap fits more programs on an SM (a
+    table entry's ``"maxnreg_when"`` narrows its cap to the calls it holds for, in
+    ``when``'s terms: a cap that gains an SM a program at head dim 64 spills at 128).
     ``fixed_mask``: along axes where the scan never moves (``launch.mask_modes``),
     compute the window mask once per program and let the QK^T product add it (the
     other axes then select once per score, from window bits where they fit); off
@@ -249,11 +251,18 @@ def forward_config(
         # (The stride-aligned option, made for the call, wins a tie.)
         if best is None or (ratio <= best[0] if name.endswith("/strided") else ratio < ALTERNATIVE_MARGIN * best[0]):
             best = (ratio, ForwardConfig(q_tile, kv_tile, option["num_warps"], option["num_stages"], name,
-                                         option.get("tma", True), option.get("maxnreg"),
+                                         option.get("tma", True), _register_cap(option, head_dim, kernel_size, dtype),
                                          bool(option.get("fixed_mask", True)), option.get("split_full"),
                                          bool(option.get("redo_in_program", False)),
                                          _sm90_gluon(option.get("sm90_gluon"))))
     return best[1]
+
+
+def _register_cap(option: Dict, head_dim: int, kernel_size: Sequence[int], dtype: torch.dtype) -> Optional[int]:
+    """An option's ``maxnreg``, where its ``maxnreg_when`` (default: always) holds for the call."""
+    if "maxnreg" in option and matches(option.get("maxnreg_when", {}), head_dim, kernel_size, dtype):
+        return option["maxnreg"]
+    return None
 
 
 def _sm90_gluon(entry: Optional[Dict]) -> Optional[int]:
