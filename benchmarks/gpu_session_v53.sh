@@ -2,7 +2,8 @@
 # One short device call (about 2-5 minutes), NOTES v40: edge-wide's forward with its registers capped at 128.
 # At 324d74b the medium_window forward compiled to 128 registers (4 programs of 4 warps per SM: 65536 / (128 x 128)),
 # since 87fae80 to 144 (assume_finite) and 157 (default, safe redo in the program): 3 programs per SM. Edge-wide
-# launches 512 programs (64 query boxes x 8 heads): one wave at 4 per SM (528 slots on 132 SMs), 1.29 waves at 3.
+# launches 512 programs (64 query boxes x 8 heads): one wave at 4 per SM (528 slots on 132 SMs); at 3 the last
+# 116 programs start only as others end (a second, partial wave), with fewer programs hiding each other's latency.
 # sm90.json's medium_window forward now says "maxnreg": 128 (ptxas: 128 registers, no local loads or stores in
 # any loop; the fast loop 416 instructions as before, 400 under assume_finite against 402).
 # Prepare here, then carry [".ab"]:  rm -rf .ab/base && mkdir -p .ab/base && git archive <before> src | tar -x -C .ab/base
