@@ -54,6 +54,26 @@ def test_forward_tuning_records_the_fastest_candidate(monkeypatch):
                                  for s in members}
 
 
+def test_forward_tuning_keeps_a_narrowed_cap_to_its_members(monkeypatch):
+    # The medium window's cap (128 registers) holds for head dims up to 64: edge-wide is
+    # tuned with it, dit-small-window (head dim 128) is left out rather than measured capped.
+    entry, _ = bucket_and_members((3, 5, 27))
+    assert entry["bucket"] == "medium_window" and entry["maxnreg_when"] == {"head_dim_max": 64}
+    members = [s for s in bench_shapes("all") if s["name"] in ("edge-wide", "dit-small-window")]
+    assert len(members) == 2
+    measured = []
+
+    def measure(spec, candidates, timer, device, budget):
+        measured.append(spec["name"])
+        assert {c.maxnreg for c in candidates} == {128}
+        return {tune.config_key(c): 1.0 for c in candidates}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    args = argparse.Namespace(launch=["4,2"], top=1, maxnreg=None, pairs=None, tma_only=True)
+    results = tune.tune_forward(entry, members, args, CPU_TIMER, torch.device("cpu"), tune.Budget(None))
+    assert measured == ["edge-wide"] and set(results) == {"edge-wide"}
+
+
 def test_backward_tuning_picks_dq_then_dkdv(monkeypatch):
     """Step one times dQ tilings with the current dK/dV, step two dK/dV tilings with
     the chosen dQ; the bucket's backward entry records both and their times."""

@@ -242,6 +242,16 @@ def choose(results: Dict[str, Dict[str, float]], names: List[str]) -> Tuple[str,
 
 def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) -> Dict[str, Dict[str, float]]:
     launches = [tuple(int(x) for x in s.split(",")) for s in args.launch]
+    if "maxnreg" in entry and "maxnreg_when" in entry and not args.maxnreg:
+        # The table's cap holds for some calls only; every candidate runs with it, so the
+        # bucket is tuned on the members it holds for (--maxnreg tunes them all).
+        held = [s for s in members if configs.matches(entry["maxnreg_when"], s["shape"][-1],
+                                                      s["kernel_size"], torch.bfloat16)]
+        log(f"bucket {entry['bucket']} forward: its register cap holds for {[s['name'] for s in held]} only; "
+            f"tuning on those (--maxnreg to tune every member)")
+        members = held
+        if not members:
+            return {}
     # Every member is measured with every candidate of the bucket, so the choice
     # compares like with like. The table's current config goes first.
     current = (tuple(entry["q_tile"]), tuple(entry["kv_tile"]))
