@@ -11,7 +11,7 @@ thread; 228 KiB of shared memory, 1 KiB of it reserved per program; 64 warps; 32
 and the grid's programs in waves of those. Registers are the limit where they allow fewer
 programs than shared memory does; ``--try-caps`` then compiles the kernel again capped at the
 most registers that fit one more program and counts the local loads and stores in its key
-loops (a cap that spills there costs more than it gains; NOTES v40: edge-wide's forward went
+loops (``loops/local``: each key loop's instructions and its local loads and stores per step) (a cap that spills there costs more than it gains; NOTES v40: edge-wide's forward went
 from three programs per SM to four with a cap of 128 and ran 8 % faster). (``kernel_resources.py``
 compiles the table's choice for a shape with arguments of its own; this compiles the launches the
 launchers make, mask modes and all, and tries the caps.)
@@ -119,7 +119,7 @@ def main() -> None:
     if args.shapes:
         specs = [s for s in specs if s["name"] in args.shapes]
     print(f"{'shape':<20}{'kernel':<26}{'warps':>6}{'regs':>6}{'shared':>8}  programs/SM (regs, shared)  "
-          f"grid  waves  cap for one more: loop local accesses")
+          f"grid  waves  loops/local  cap for one more (used): loops/local")
     for spec in specs:
         shape, kernel = tuple(spec["shape"]), tuple(spec["kernel_size"])
         stride = tuple(spec.get("stride", (1, 1, 1)))
@@ -143,8 +143,10 @@ def main() -> None:
             per_sm = min(fits.values())
             n_programs = math.prod(grid if isinstance(grid, tuple) else grid(kwargs))
             waves = n_programs / (per_sm * SMS)
+            uncapped_loops = key_loops(sass)[1]
             line = (f"{spec['name']:<20}{fn.fn.__name__:<26}{warps:>6}{registers:>6}{shared:>8}  {per_sm:>3} "
-                    f"({fits['registers']}, {fits['shared']}){'':<17}{n_programs:>7}{waves:>7.2f}")
+                    f"({fits['registers']}, {fits['shared']}){'':<17}{n_programs:>7}{waves:>7.2f}  "
+                    f"{[len(body) for body in uncapped_loops]}/{local_accesses(uncapped_loops)}")
             more = per_sm + 1
             if fits["registers"] == per_sm and min(fits["shared"], fits["warps"], fits["programs"]) >= more:
                 cap = cap_for(more, warps)
@@ -154,8 +156,7 @@ def main() -> None:
                     capped_registers, capped_sass = ptxas_report(capped.asm["ptx"], bin_dir)
                     _, loops = key_loops(capped_sass)
                     local = local_accesses(loops)
-                    note += (f" ({capped_registers} used): {local} (loops {[len(body) for body in loops]}; uncapped "
-                             f"{local_accesses(key_loops(sass)[1])}, {[len(body) for body in key_loops(sass)[1]]})")
+                    note += f" ({capped_registers} used): {[len(body) for body in loops]}/{local}"
                 line += note
             print(line, flush=True)
 
