@@ -28,11 +28,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from occupancy_scan import programs_per_sm  # noqa: E402
 from sass_loop import key_loops  # noqa: E402
 from test_compile_targets import compile_for  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
 
 
 def resources(kernel, maxnreg, warps) -> dict:
@@ -52,7 +52,7 @@ def resources(kernel, maxnreg, warps) -> dict:
     _, loops = key_loops(sass)
     loop = loops[0] if loops else []  # the first key loop: the first launch's
     shared = kernel.metadata.shared
-    per_sm = min(REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * warps), SHARED_PER_SM // max(1, shared + 1024))
+    per_sm = min(programs_per_sm(registers, shared, warps).values())
     return {"registers": registers, "spilled_bytes": int(spilled.group(1)) if spilled else 0, "shared": shared,
             "programs_per_sm": per_sm, "wgmma_serialized": "serialized" in report,
             "loop_instructions": len(loop), "loop_spill_instructions": sum(("LDL" in t or "STL" in t) for t in loop)}

@@ -25,21 +25,10 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="a tree whose src/ holds the na3d to compile")
-    parser.add_argument("--shape", type=int, nargs=6, required=True, metavar=("B", "T", "H", "W", "NH", "HD"))
-    parser.add_argument("--kernel", type=int, nargs=3, required=True, metavar=("KT", "KH", "KW"))
-    parser.add_argument("--assume-finite", action="store_true", help="(trees that have it) no non-finite check")
-    parser.add_argument("--backward", action="store_true", help="also the backward's launches")
-    parser.add_argument("--redo-in-program", action="store_true",
-                        help="(trees that have it) every kernel in one launch, redoing flagged tiles in program")
-    args = parser.parse_args()
-
-    sys.path.insert(0, os.path.join(os.path.abspath(args.root), "src"))
-    import torch
-    import triton
-    import triton.runtime.jit as jit
+def pretend_sm90(sms: int = 132):
+    """Make Triton bind and compile launches for sm90 and na3d's launchers answer as on an
+    H100/H200 (the sm90 table, ``sms`` SMs) on a machine without a GPU; returns
+    ``na3d.launch`` (imported from the first na3d on ``sys.path``)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -57,14 +46,34 @@ def main() -> None:
     driver.set_active(Sm90Driver())
     import na3d.launch as launch
 
-    # The launchers' device queries, as on an H100/H200 (older trees keep them elsewhere).
+    # The launchers' device queries (older trees keep them elsewhere).
     for name in ("na3d.device", "na3d.configs", "na3d.launch"):
         module = sys.modules.get(name)
-        for attr, value in (("device_arch", "sm90"), ("_arch", "sm90"), ("sm_count", 132)):
+        for attr, value in (("device_arch", "sm90"), ("_arch", "sm90"), ("sm_count", sms)):
             if module is not None and hasattr(module, attr):
                 setattr(module, attr, lambda *_a, _v=value, **_k: _v)
         if module is not None and hasattr(module, "kernels_interpreted"):
             module.kernels_interpreted = lambda: False
+    return launch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="a tree whose src/ holds the na3d to compile")
+    parser.add_argument("--shape", type=int, nargs=6, required=True, metavar=("B", "T", "H", "W", "NH", "HD"))
+    parser.add_argument("--kernel", type=int, nargs=3, required=True, metavar=("KT", "KH", "KW"))
+    parser.add_argument("--assume-finite", action="store_true", help="(trees that have it) no non-finite check")
+    parser.add_argument("--backward", action="store_true", help="also the backward's launches")
+    parser.add_argument("--redo-in-program", action="store_true",
+                        help="(trees that have it) every kernel in one launch, redoing flagged tiles in program")
+    args = parser.parse_args()
+
+    sys.path.insert(0, os.path.join(os.path.abspath(args.root), "src"))
+    import torch
+    import triton
+    import triton.runtime.jit as jit
+
+    launch = pretend_sm90()
 
     if args.redo_in_program:
         one_launch = launch.launch_and_redo

@@ -78,30 +78,12 @@ def main() -> None:
     import torch
     import triton
     import triton.runtime.jit as jit
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
 
-    class Sm90Driver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    driver.set_active(Sm90Driver())
-    import na3d.launch as launch
-    from na3d.tools.common import bench_shapes
+    from launched_sass import pretend_sm90
     from sass_loop import key_loops
-    for name in ("na3d.device", "na3d.configs", "na3d.launch"):
-        module = sys.modules.get(name)
-        for attr, value in (("device_arch", "sm90"), ("sm_count", SMS)):
-            if module is not None and hasattr(module, attr):
-                setattr(module, attr, lambda *_a, _v=value, **_k: _v)
-        if module is not None and hasattr(module, "kernels_interpreted"):
-            module.kernels_interpreted = lambda: False
+
+    launch = pretend_sm90(SMS)
+    from na3d.tools.common import bench_shapes
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     launches = []
 
