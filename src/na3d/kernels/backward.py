@@ -37,7 +37,7 @@ from .. import constants
 from .groups import descriptor_origin, dilation_group, grid_position, Place, position_rows
 from .masks import key_scan_masks, key_scan_visible, no_mask, step_mask_bias
 from .memory import head_base, head_columns, load_rows, position_offsets
-from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, stored_tile_nonfinite
+from .nonfinite import count_nonfinite, finite_part, has_nonfinite, mark_reached, nonfinite_rows
 from .programs import program_keys, query_program, run_programs, store_query_tile
 from .tiles import (box_at, box_of_program, box_scan, box_steps, first_box, first_masked_box, next_box,
                     next_masked_box, program_box, split_scan)
@@ -135,8 +135,8 @@ def dq_tile(
 ):
     """One dQ program's work (and its statistics, unless ``SAFE``), ``head`` a query
     head (its keys and values: head ``head // GROUP``), the kernel's arguments
-    grouped (``kernels.programs``' docstring). Returns whether a non-finite input
-    reached its dQ. ``SAFE``: the dQ elements a visible non-finite key reaches are first marked
+    grouped (``kernels.programs``' docstring). Returns whether its dQ holds an inf or
+    NaN. ``SAFE``: the dQ elements a visible non-finite key reaches are first marked
     NaN in DQ, the tile is computed by the safe loop, and the marks are laid over it
     (``kernels.nonfinite``). Dilated: as the forward's tile."""
     # Rows past the grid's end repeat the last position and are not stored (as in
@@ -156,8 +156,7 @@ def dq_tile(
                         HEAD_DIM, BLOCK_Q, KV_BOX, WINDOW_FLAGS, DILATION, GROUP, False, SAFE)
     dq = dq_scan(prog.q, do, lse2, delta, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
                  BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, USE_TMA, SPLIT_FULL, SAFE)
-    return store_query_tile(DQ, dq_strides, batch, head, box, dq, prog.cols, Q_BOX, HEAD_DIM, SAFE, ASSUME_FINITE,
-                            scale)
+    return store_query_tile(DQ, dq_strides, batch, head, box, dq, prog.cols, SAFE, ASSUME_FINITE, scale)
 
 
 @triton.jit
@@ -307,8 +306,8 @@ def dkdv_tile(
     """One dK/dV program's work: ``head`` a key/value head, its query heads
     ``head * GROUP ...`` scanned together (``dkdv_scan``), the kernel's arguments
     grouped (``kernels.programs``' docstring; ``K_BOX``: the box of keys, ``Q_BOX``:
-    the scan's boxes of queries). Returns (unless ``ASSUME_FINITE``) whether a
-    non-finite input reached its dK or dV (``nonfinite.stored_tile_nonfinite``). ``SAFE``: the safe way (``kernels.nonfinite``).
+    the scan's boxes of queries). Returns (unless ``ASSUME_FINITE``) which of its rows
+    of dK or dV hold an inf or NaN. ``SAFE``: the safe way (``kernels.nonfinite``).
     Dilated: as the forward's tile, over a box of keys."""
     tile, T, H, W, place, tensors = dilation_group(tile, T, H, W, (Q, K, V, DO, DK, DV), strides, DILATION)
     Q, K, V, DO, DK, DV = tensors
@@ -360,18 +359,22 @@ def dkdv_tile(
         dk = tl.where(marks != marks, float("nan"), dk)
 
     store = keys.valid[:, None] & cols.ok[None, :]
-    dk_base = head_base(DK, dk_strides, batch, head)
-    dv_base = head_base(DV, dv_strides, batch, head)
-    dk_rows = position_offsets(dk_strides, keys.t, keys.h, keys.w)
-    dv_rows = position_offsets(dv_strides, keys.t, keys.h, keys.w)
-    tl.store(dk_base + dk_rows[:, None] + cols.d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=store)
-    tl.store(dv_base + dv_rows[:, None] + cols.d[None, :], dv.to(DV.dtype.element_ty), mask=store)
-    # Checked as stored (read back): the float32 accumulators are dead by then, so
-    # the check costs the loop no registers.
+    dk_ptrs = (head_base(DK, dk_strides, batch, head) + position_offsets(dk_strides, keys.t, keys.h, keys.w)[:, None]
+               + cols.d[None, :])
+    dv_ptrs = (head_base(DV, dv_strides, batch, head) + position_offsets(dv_strides, keys.t, keys.h, keys.w)[:, None]
+               + cols.d[None, :])
+    dk = (dk * scale).to(DK.dtype.element_ty)
+    dv = dv.to(DV.dtype.element_ty)
+    tl.store(dk_ptrs, dk, mask=store)
+    tl.store(dv_ptrs, dv, mask=store)
+    # Checked as stored, row by row: the float32 accumulators are dead by then,
+    # and a row's sum needs no shared memory, which keeps the loop's register
+    # allocation within 4 instructions of the unchecked kernel's (a whole-tile sum
+    # cost 18 and a spill: NOTES v21). A value that overflows the storage type is
+    # flagged too, and merely recomputed.
     if not ASSUME_FINITE:
-        return (stored_tile_nonfinite(dk_base, dk_strides, keys, K_BOX, HEAD_DIM)
-                | stored_tile_nonfinite(dv_base, dv_strides, keys, K_BOX, HEAD_DIM))
-    return tl.zeros([], tl.int1)
+        return nonfinite_rows(dk) | nonfinite_rows(dv)
+    return tl.zeros([BLOCK_N], tl.int1)
 
 
 @triton.jit

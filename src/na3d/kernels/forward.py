@@ -70,7 +70,7 @@ def na3d_fwd_kernel(
     (or a zero scale) the kernel masks the scores after the product instead.
 
     ``FLAGS``: int8 per program (``tile + n_tiles * (head + heads * batch)``), set to
-    1 where a non-finite input reached the program's output (``kernels.nonfinite``: the
+    1 where the program's output holds an inf or NaN (``kernels.nonfinite``: the
     second launch, ``REDO``, computes those tiles again the safe way), 0
     elsewhere.
 
@@ -105,7 +105,7 @@ def forward_tile(
     """One program's work: the output (and lse) of one box of queries of one
     (batch, head), ``head`` a query head (its keys and values: head ``head // GROUP``).
     The kernel's arguments come grouped (``kernels.programs``' docstring).
-    Returns (unless ``ASSUME_FINITE``) whether a non-finite input reached the output. ``SAFE``: the
+    Returns (unless ``ASSUME_FINITE``) whether the output holds an inf or NaN. ``SAFE``: the
     safe way (``kernels.nonfinite``): the outputs a visible non-finite value reaches
     are first marked NaN in O, the tile is computed by the safe loop, and the
     marks are laid over it. Dilated: the box lies in one dilation group, whose
@@ -120,8 +120,7 @@ def forward_tile(
                         BLOCK_Q, KV_BOX, WINDOW_FLAGS, DILATION, GROUP, True, SAFE)
     acc, m_i, l_i = forward_scan(prog.q, keys, box, prog.nb, prog.union, qk_scale, prog.cols, HEAD_DIM, BLOCK_D,
                                  BLOCK_Q, KV_BOX, WINDOW_FLAGS, MASKS, SCALE_SIGN, USE_TMA, SPLIT_FULL, SAFE)
-    nonfinite = store_query_tile(O, o_strides, batch, head, box, acc / l_i[:, None], prog.cols, Q_BOX, HEAD_DIM,
-                                 SAFE, ASSUME_FINITE)
+    nonfinite = store_query_tile(O, o_strides, batch, head, box, acc / l_i[:, None], prog.cols, SAFE, ASSUME_FINITE)
     if RETURN_LSE:
         lse_rows = position_rows(batch, head, heads, box.t, box.h, box.w, prog.place, DILATION)
         # m_i is in log2 units of the scaled scores; convert to natural log.

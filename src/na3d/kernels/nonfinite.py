@@ -4,10 +4,9 @@ A kernel's products combine every key of a box with every query of a box, so an
 inf or NaN in one key, value or query would reach, through a zero product (0 * inf
 = NaN) or the additive mask (NaN - inf = NaN), queries whose windows do not hold
 it. The kernels therefore run their loops as fast as ever and check their results
-once per program, flagging a program whose results hold an inf or NaN where one
-came from a non-finite input (:func:`stored_tile_nonfinite`: the tile's first row
-and first column, read back). A second, small launch then reads the flags (one load
-per few hundred programs when none is set) and computes the flagged programs again, the safe way
+once per program (one add per element), flagging a program whose results hold an
+inf or NaN. A second, small launch then reads the flags (one load per few hundred
+programs when none is set) and computes the flagged programs again, the safe way
 (``programs.run_programs``). A counting scan first marks NaN, in the result tile in
 memory, every element that a visible non-finite operand of the final product
 reaches (:func:`mark_reached`: a value for the output, a key for dQ, a query for
@@ -26,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import constants
-from .memory import load_rows, position_offsets, Columns
+from .memory import load_rows, Columns
 from .tiles import box_at, box_scan, first_box, next_box
 from .windows import sees
 
@@ -46,57 +45,12 @@ def has_nonfinite(x):
 
 
 @triton.jit
-def stored_tile_nonfinite(base, strides, box, BOX: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Whether a non-finite input reached the result tile a program has just stored
-    over its box (``box``, a ``tiles.Box`` of ``BOX`` positions; the tile at ``base``,
-    a (batch, head) of a tensor with these ``strides``), read back from memory: its
-    first row and its first column only.
-
-    Why that suffices. Every result tile is a sum of products ``A @ B`` over the
-    positions the program scanned (forward: ``P V``, then divided by the row sums;
-    dQ: ``dS K``; dK: ``dS^T Q``; dV: ``P^T dO``), and a weight or operand holds a
-    non-finite element only where a non-finite input reached it. A non-finite
-    element of ``A``'s row ``r`` (a weight: reached through a score, a statistic or a
-    dO row) makes row ``r`` of the result non-finite in every column: it multiplies
-    every column of ``B``, and inf or NaN times any number, 0 included, is inf or
-    NaN, which no later sum or rescale turns finite (the forward's row sum is then
-    NaN or 0, and dividing by it keeps the row non-finite too). A non-finite element
-    of ``B``'s column ``c`` (a value, a key, a query, a dO element; a hidden one
-    included, at weight 0) makes column ``c`` non-finite in every row, for the same
-    reason, since every row of ``A`` multiplies every scanned row of ``B``. So where a
-    non-finite input reached the tile, a whole row or a whole column of it is
-    non-finite, and the first column or the first row shows it. (A box's first
-    position lies in the grid if any of its positions does. A dilation group's box
-    past the group's end stores nothing, so what its check reads, another program's
-    tile, does not matter.) A result that overflows from finite inputs is not
-    flagged: the safe way computes the same arithmetic and would give it again.
-
-    A row's and a column's length of loads after a barrier (other threads stored the
-    elements), in place of one add per element of the tile. They go 32 at a time, one
-    per thread of a warp (every warp the same): their addresses then depend on the
-    lane alone, not on the warp, so that this code after the key loop recomputes
-    nothing the loop computed (sm90: a warp index needed after the loop made LLVM
-    split the loop's zero-trip edge, and ptxas then serialized the products of every
-    Hopper key loop, NOTES v41)."""
-    tl.debug_barrier()
-    lane = tl.arange(0, 32)
-    BLOCK: tl.constexpr = BOX[0] * BOX[1] * BOX[2]
-    t0, h0, w0 = box.first
-    bad = tl.zeros([32], tl.int1)
-    for c0 in tl.static_range(0, BLOCK, 32):  # the first column, 32 positions at a time
-        c = c0 + lane
-        t = t0 + c // (BOX[1] * BOX[2])
-        h = h0 + (c // BOX[2]) % BOX[1]
-        w = w0 + c % BOX[2]
-        stored = (c < BLOCK) & (t <= box.last[0]) & (h <= box.last[1]) & (w <= box.last[2])
-        x = tl.load(base + position_offsets(strides, t, h, w), mask=stored, other=0.0).to(tl.float32)
-        bad |= (x != x) | (tl.abs(x) == float("inf"))
-    first_row = base + position_offsets(strides, t0, h0, w0)
-    for d0 in tl.static_range(0, HEAD_DIM, 32):  # the first row
-        d = d0 + lane
-        x = tl.load(first_row + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        bad |= (x != x) | (tl.abs(x) == float("inf"))
-    return tl.max(bad.to(tl.int32), 0) > 0
+def nonfinite_rows(x):
+    """Per row of the 2-D tile ``x``: whether it holds an inf or NaN (as
+    :func:`has_nonfinite`, one sum per row). A row's sum stays within the threads
+    that hold the row, where the whole tile's needs shared memory and a barrier."""
+    total = tl.sum(x.to(tl.float32), 1)
+    return (total != total) | (tl.abs(total) == float("inf"))
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .groups import descriptor_origin, dilation_group
 from .memory import head_base, head_columns, key_value_bases, KeyBoxes, load_rows, position_offsets
-from .nonfinite import FLAG_BLOCK, mark_reached, stored_tile_nonfinite
+from .nonfinite import FLAG_BLOCK, has_nonfinite, mark_reached
 from .tiles import program_box
 from .windows import Neighborhood
 
@@ -58,8 +58,10 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
     ``FLAGS[tile + n_tiles * (head + grid heads * batch)]``.
 
     First launch (``REDO`` off): the program's tile the fast way; unless
-    ``ASSUME_FINITE``, its flag: 1 where the scalar ``tile_fn`` returns says a
-    non-finite input reached the tile (``nonfinite.stored_tile_nonfinite``), else 0.
+    ``ASSUME_FINITE``, its flag: per query head, 1 where the returned scalar says the
+    tile holds an inf or NaN, else 0; per key/value head, 0 first and then 1 from the
+    threads of the rows ``tile_fn`` returns as non-finite, after a barrier (a row's
+    test needs no shared memory, which keeps the dK/dV loop's registers as they were).
 
     Second launch (``REDO``, a grid (G,), any G): the flagged programs, the safe way,
     each by one of the G programs in turn; where no flag is set (finite inputs), each
@@ -92,16 +94,29 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
                     if tl.load(FLAGS + program) != 0:
                         tile_fn(program % n_tiles, (program // n_tiles) % grid_heads,
                                 program // (n_tiles * grid_heads), heads, *args, True, True)
+    elif PER_KEY_HEAD:
+        if PDL and not ASSUME_FINITE and not REDO_IN_PROGRAM:
+            gdc_launch_dependents()
+        head = tl.program_id(1)
+        batch = tl.program_id(2)
+        tile = tl.program_id(0)
+        flag = FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64))
+        if not ASSUME_FINITE and not REDO_IN_PROGRAM:
+            tl.store(flag, tl.zeros([], tl.int8))
+        rows = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
+        if not ASSUME_FINITE:
+            if REDO_IN_PROGRAM:
+                if tl.max(rows.to(tl.int32), 0) != 0:
+                    tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, True, True)
+            else:
+                tl.debug_barrier()  # no 0 lands after a 1
+                tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
     else:
         if PDL and not ASSUME_FINITE and not REDO_IN_PROGRAM:
             gdc_launch_dependents()
-        if PER_KEY_HEAD:
-            head = tl.program_id(1)
-            tile = tl.program_id(0)
-        else:
-            head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
-            tile = tl.program_id(0) // GROUP
+        head = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
         batch = tl.program_id(2)
+        tile = tl.program_id(0) // GROUP
         nonfinite = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
         if not ASSUME_FINITE:
             if REDO_IN_PROGRAM:
@@ -144,25 +159,24 @@ def program_keys(prog, batch, head, heads, K, V, K_DESC, V_DESC, k_strides, v_st
 
 
 @triton.jit
-def store_query_tile(OUT, out_strides, batch, head, box, x, cols, Q_BOX: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr, scale=None):
+def store_query_tile(OUT, out_strides, batch, head, box, x, cols, SAFE: tl.constexpr, ASSUME_FINITE: tl.constexpr,
+                     scale=None):
     """A program's result over its box of queries (the forward's output, dQ):
     ``x`` (times ``scale``, if given) stored into ``OUT`` at (batch, head) and the
-    box's positions that are valid, in OUT's dtype (``box``: a ``tiles.Box`` of
-    ``Q_BOX``). With ``SAFE`` the NaN marks that
+    box's positions that are valid, in OUT's dtype. With ``SAFE`` the NaN marks that
     ``nonfinite.mark_reached`` stored there first are laid over it. Returns (unless
-    ``ASSUME_FINITE``) whether a non-finite input reached the stored tile
-    (``nonfinite.stored_tile_nonfinite``)."""
+    ``ASSUME_FINITE``) whether ``x`` holds an inf or NaN."""
     base = head_base(OUT, out_strides, batch, head)
     if SAFE:
         marks = tl.load(base + position_offsets(out_strides, box.t, box.h, box.w)[:, None] + cols.d[None, :],
                         mask=box.valid[:, None] & cols.ok[None, :], other=0.0)
         x = tl.where(marks != marks, float("nan"), x)
-    rows = position_offsets(out_strides, box.t, box.h, box.w)
+    ptrs = base + position_offsets(out_strides, box.t, box.h, box.w)[:, None] + cols.d[None, :]
+    if not ASSUME_FINITE:
+        nonfinite = has_nonfinite(x)
+    else:
+        nonfinite = tl.zeros([], tl.int1)
     if scale is not None:
         x = x * scale
-    tl.store(base + rows[:, None] + cols.d[None, :], x.to(OUT.dtype.element_ty),
-             mask=box.valid[:, None] & cols.ok[None, :])
-    if not ASSUME_FINITE:
-        return stored_tile_nonfinite(base, out_strides, box, Q_BOX, HEAD_DIM)
-    return tl.zeros([], tl.int1)
+    tl.store(ptrs, x.to(OUT.dtype.element_ty), mask=box.valid[:, None] & cols.ok[None, :])
+    return nonfinite
