@@ -6,6 +6,7 @@ arguments before anything here runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable, Optional, Sequence, Tuple
@@ -15,6 +16,12 @@ import torch
 from . import configs, geometry
 from .constants import FLAG_BLOCK, LOG2_E, MASK_BITS, MASK_FIXED, MASK_NONE, MASK_PER_STEP
 from .device import dependent_launch, device_arch, sm_count
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # (no Triton: the kernels cannot run anyway)
+    class OutOfResources(Exception):
+        pass
 
 
 def kernels_interpreted() -> bool:
@@ -559,11 +566,32 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
     descs = ([tensor_descriptor(x, cfg.dkdv_q_tile, dilation) for x in (q, grad_out)] if use_tma else [q, grad_out])
     descs.append(tensor_descriptor(dq_acc, cfg.dkdv_q_tile, dilation) if bulk_dq else dq_acc)
     descs.append(statistics_descriptor(stats, cfg.dkdv_q_tile, dilation) if use_tma else stats)
-    dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
-                (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
-                (T, H, W, KT, KH, KW, *stride), scale,
-                dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), assume_finite)
+    # The one-pass dK/dV kernel also stages dQ for its bulk adds, so a config's
+    # dK/dV stages may ask more shared memory than the GPU has where the two-kernel
+    # backward's fit (head dim 128, 128-key boxes at two stages: 246824 bytes against
+    # an H100's 232448). It then runs with fewer stages, found once per config by
+    # compiling (a launch that does not fit fails before it runs).
+    key = (cfg, HD, q.dtype, q.device)
+    stages = _FUSED_DKDV_STAGES.get(key, cfg.dkdv_stages)
+    while True:
+        try:
+            dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B,
+                        dataclasses.replace(cfg, dkdv_num_stages=stages),
+                        (q, k, v, grad_out, stats, dk, dv, dq_acc, *descs), (q, k, v, grad_out, dk, dv),
+                        (T, H, W, KT, KH, KW, *stride), scale,
+                        dict(ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=bulk_dq, **common), assume_finite)
+            break
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+    _FUSED_DKDV_STAGES[key] = stages
     dq.copy_(dq_acc[..., :HD].mul_(scale))
+
+
+# Stages the one-pass dK/dV kernel runs with, per (config, head dim, dtype, device),
+# where the config's own did not fit shared memory (:func:`_fused_backward`).
+_FUSED_DKDV_STAGES: dict = {}
 
 
 def triton_next_power_of_2(n: int) -> int:

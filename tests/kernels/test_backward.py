@@ -186,6 +186,34 @@ def test_statistics_through_descriptors_on_tilings_cut_by_borders(config, monkey
     assert_grads_match_oracle(through_pointers, q, k, v, grad_out, kernel, 0.25)
 
 
+def test_fused_backward_falls_back_to_fewer_stages_when_shared_memory_runs_out(monkeypatch):
+    """The one-pass dK/dV kernel stages dQ too: where a config's dK/dV stages do not
+    fit the GPU's shared memory (head dim 128, 128-key boxes, two stages on an H100),
+    the launch that does not fit fails before it runs and the backward runs with
+    fewer stages, remembered for that config. Here the launch fails as a GPU's would
+    for any stage count above one."""
+    shape, kernel = (1, 3, 4, 5, 1, 16), (3, 3, 3)
+    q, k, v = make_qkv(shape, torch.float16, device=DEVICE, seed=9)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(torch.float16).to(DEVICE)
+    config = dataclasses.replace(BWD_TILINGS[0], fused=True, dkdv_num_stages=3)
+    real = launch.dkdv_launch
+    stages = []
+
+    def dkdv_launch(kernel_fn, tiles, NH, B, cfg, *args):
+        stages.append(cfg.dkdv_stages)
+        if cfg.dkdv_stages > 1:
+            raise launch.OutOfResources(246824, 232448, "shared memory")
+        return real(kernel_fn, tiles, NH, B, cfg, *args)
+
+    monkeypatch.setattr(launch, "dkdv_launch", dkdv_launch)
+    monkeypatch.setattr(launch, "_FUSED_DKDV_STAGES", {})
+    grads = kernel_grads(q, k, v, grad_out, kernel, 0.25, config)
+    assert stages == [3, 2, 1]
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, 0.25)
+    kernel_grads(q, k, v, grad_out, kernel, 0.25, config)
+    assert stages == [3, 2, 1, 1]  # remembered
+
+
 def test_deterministic_mode_overrides_the_fused_backward(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the atomic-free kernels run."""
     from na3d.kernels import backward as kernels
