@@ -9,7 +9,7 @@
 #   2. The non-finite tests on the GPU (bf16, compiled): the fuzz (every seed) and the benchmark shapes.
 # Prepare here, then carry [".ab"]:
 #   rm -rf .ab/base51 && mkdir -p .ab/base51 && git archive 51edab7 src | tar -x -C .ab/base51
-# Usage: [END=560] bash benchmarks/gpu_session_v57.sh
+# Usage: [END=560] bash benchmarks/gpu_session_v57.sh   (measured at f783a4d; the check was taken out in 90ab273, NOTES v41)
 # Prediction: the default over assume_finite on the short-window forwards (stages 3 and 4) from 1.023-1.027 to
 # 1.005-1.01; the backwards 0-2 % faster than base (the dK/dV loop 2 % shorter, fewer spills), edge-wide's dQ
 # may lose (137 registers: 3 programs per SM instead of 4).
