@@ -1,8 +1,8 @@
 """The sm90 table's head-dim-128 buckets (the video-DiT regime), run as the table
 states them, against the float64 oracle.
 
-Their backward runs without register caps and with one dK/dV pipeline stage
-(``benchmarks/NOTES.md`` v20). Each configuration a bucket
+Their backward runs without register caps (``benchmarks/NOTES.md`` v20; its dK/dV boxes
+and stages from the tuner, v41). Each configuration a bucket
 states (its main one and its alternatives: the forward, the two-kernel backward and
 the one-pass backward) runs here on a grid its boxes cut at every
 border, with the windows shifted inward there. Interpreter on a machine without a
