@@ -17,12 +17,6 @@ from . import configs, geometry
 from .constants import FLAG_BLOCK, LOG2_E, MASK_BITS, MASK_FIXED, MASK_NONE, MASK_PER_STEP
 from .device import dependent_launch, device_arch, sm_count
 
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # (no Triton: the kernels cannot run anyway)
-    class OutOfResources(Exception):
-        pass
-
 
 def kernels_interpreted() -> bool:
     """True when the kernels were defined under ``TRITON_INTERPRET=1`` (CPU tensors run)."""
@@ -547,6 +541,8 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
                     common, assume_finite):
     """``stats``, then one pass over key boxes: dK/dV stored, dQ added atomically into a
     zeroed float32 buffer ``(B, T, H, W, NH, BLOCK_D)``, scaled and cast at the end."""
+    from triton.runtime.errors import OutOfResources
+
     from .kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel
 
     B, T, H, W, NH, HD = q.shape

@@ -192,6 +192,8 @@ def test_fused_backward_falls_back_to_fewer_stages_when_shared_memory_runs_out(m
     the launch that does not fit fails before it runs and the backward runs with
     fewer stages, remembered for that config. Here the launch fails as a GPU's would
     for any stage count above one."""
+    from triton.runtime.errors import OutOfResources
+
     shape, kernel = (1, 3, 4, 5, 1, 16), (3, 3, 3)
     q, k, v = make_qkv(shape, torch.float16, device=DEVICE, seed=9)
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(torch.float16).to(DEVICE)
@@ -202,7 +204,7 @@ def test_fused_backward_falls_back_to_fewer_stages_when_shared_memory_runs_out(m
     def dkdv_launch(kernel_fn, tiles, NH, B, cfg, *args):
         stages.append(cfg.dkdv_stages)
         if cfg.dkdv_stages > 1:
-            raise launch.OutOfResources(246824, 232448, "shared memory")
+            raise OutOfResources(246824, 232448, "shared memory")
         return real(kernel_fn, tiles, NH, B, cfg, *args)
 
     monkeypatch.setattr(launch, "dkdv_launch", dkdv_launch)
