@@ -581,6 +581,7 @@ def _fused_backward(q, k, v, out, grad_out, lse, grad_lse, stats, grads, kernel_
             if stages <= 1:
                 raise
             stages -= 1
+            dq_acc.zero_()  # (a failing second launch comes after the first one's dQ terms)
     _FUSED_DKDV_STAGES[key] = stages
     dq.copy_(dq_acc[..., :HD].mul_(scale))
 
