@@ -8,8 +8,23 @@ the GPU and the ``gpu`` tests exercise them; without one they are skipped.
 import os
 import sys
 
-import pytest
-import torch
+
+def share_the_cores_among_workers():
+    """Each of xdist's workers gets its share of the cores for PyTorch's and the BLAS
+    libraries' thread pools (numpy's products run the interpreter's ``tl.dot``), set
+    before either is imported: by default each pool takes every core, and on 2 cores
+    two workers' pools fought over them (the default run 13 % slower)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, threads)
+
+
+share_the_cores_among_workers()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -66,6 +81,24 @@ def no_overflow_checks():
     builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
+def lazy_tuple_type_names():
+    """The interpreter builds a tuple type for every ``tl.tuple`` (each of our named
+    tuples, every time one is made or passes through a helper: hundreds of thousands
+    per test) and formats its name on the spot, a string of every member's type,
+    nested tuples recursively: about a quarter of an interpreted kernel's CPU time.
+    The name is read only for messages; here it is formatted when read. The types,
+    their equality and everything else are the interpreter's own."""
+    from triton.language import core
+
+    def tuple_type_init(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [''] * len(types)
+
+    core.tuple_type.__init__ = tuple_type_init
+    core.tuple_type.name = property(
+        lambda self: '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']')
+
+
 # Only for the Triton the tests pin (the ``test`` extra), whose interpreter these mirror.
 if os.environ.get("TRITON_INTERPRET") == "1":
     import triton
@@ -73,6 +106,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     if triton.__version__ == "3.6.0":
         patch_language_once_per_launch()
         no_overflow_checks()
+        lazy_tuple_type_names()
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -1,7 +1,7 @@
 """The halo exchange (``sharded_na3d``, ``halo_exchange``) against the single-process result.
 
-Gloo groups of 2 CPU processes in the default run, 3 and 4 (slabs thinner than the
-halo) in the slow one; NCCL on two GPUs. See ``ranks.py`` for how a case runs.
+Gloo groups of 2 CPU processes in the default run (more cases of 2 in the slow one), 3 and 4
+(slabs thinner than the halo) in the slow one; NCCL on two GPUs. See ``ranks.py`` for how a case runs.
 """
 
 import contextlib
@@ -26,21 +26,30 @@ def staged_through_host():
 
 
 def halo_world2(rank, world):
-    # The grad=False cases below are meant to run the Triton kernel (interpreted).
+    # The default run's cases: every schedule and axis, both kernels, the host hop.
+    # The grad=False case below is meant to run the Triton kernel (interpreted).
     assert torch.cuda.is_available() or launch.kernels_interpreted(), "TRITON_INTERPRET did not reach the workers"
     small = (1, 7, 4, 4, 2, 8)
-    check_case(rank, small, (5, 3, 3), 1, (5, 2), count=True)                 # uneven, along T
-    check_case(rank, small, (5, 3, 3), 1, (5, 2), overlap=True, count=True)   # overlap schedule
-    check_case(rank, (1, 3, 9, 4, 2, 8), (3, 5, 3), 2, (2, 7), pass_sizes=True, count=True)  # along H
+    check_case(rank, small, (5, 3, 3), 1, (5, 2), overlap=True, count=True)   # uneven, along T, overlap schedule
     check_case(rank, (2, 3, 4, 6, 2, 8), (3, 3, 5), 3, (3, 3), count=True, scale=0.3)        # along W
     # The Triton kernel (interpreted) through the halo, with the logsumexp too.
-    check_case(rank, (1, 6, 4, 4, 1, 8), (5, 3, 3), 1, (2, 4), grad=False, return_lse=True)
     check_case(rank, (1, 6, 4, 4, 1, 8), (3, 3, 3), 1, (4, 2), grad=False, return_lse=True, overlap=True)
     check_halo_exchange(rank, (1, 7, 3, 3, 1, 8), (5, 3, 3), 1, (1, 6))
     # The host hop of gloo with CUDA tensors (forced here on CPU tensors): the same
     # rows and gradients, the same elements sent.
     with staged_through_host():
         check_case(rank, small, (5, 3, 3), 1, (5, 2), count=True)
+
+
+def halo_world2_more(rank, world):
+    # The slow run's further cases on 2 ranks: the plain schedule, H with the sizes
+    # passed, the kernel without overlap, the host hop with it.
+    assert torch.cuda.is_available() or launch.kernels_interpreted(), "TRITON_INTERPRET did not reach the workers"
+    small = (1, 7, 4, 4, 2, 8)
+    check_case(rank, small, (5, 3, 3), 1, (5, 2), count=True)                 # uneven, along T
+    check_case(rank, (1, 3, 9, 4, 2, 8), (3, 5, 3), 2, (2, 7), pass_sizes=True, count=True)  # along H
+    check_case(rank, (1, 6, 4, 4, 1, 8), (5, 3, 3), 1, (2, 4), grad=False, return_lse=True)
+    with staged_through_host():
         check_case(rank, small, (5, 3, 3), 1, (5, 2), overlap=True)
 
 
@@ -72,7 +81,8 @@ def test_host_staging_only_for_device_tensors_on_gloo(monkeypatch, backend, devi
     assert halo._stages_through_host(None, torch.device(device)) is staged
 
 
-@pytest.mark.parametrize("world,suite", by_world(halo_world2, halo_world3, halo_world4))
+@pytest.mark.parametrize("world,suite", by_world(halo_world2, halo_world3, halo_world4) + [
+    pytest.param(2, halo_world2_more, id="world2-more", marks=pytest.mark.slow)])
 def test_sharded_na3d_matches_single_process(world, suite):
     spawn(world, suite)
 

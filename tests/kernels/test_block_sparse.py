@@ -91,8 +91,14 @@ def run_case(case, dtype, scale, seed):
     return (q, k, v, grad_out), out, grads
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("case", slow_except([(i,) for i in range(len(CASES))], keep=(0, 2, 3), ids=IDS))
+RUNS = [(case, dtype) for case in range(len(CASES)) for dtype in (torch.float32, torch.float16)]
+# The default run: every path (all boxes full, stride-aligned boxes, dilation) in one
+# dtype each, pointers (fp32) and descriptors (fp16) both taken; the rest in the slow run.
+KEEP = [RUNS.index(run) for run in ((0, torch.float16), (2, torch.float32), (3, torch.float16))]
+
+
+@pytest.mark.parametrize("case,dtype", slow_except(RUNS, keep=KEEP,
+                                                    ids=[f"{IDS[c]}-{str(d)[6:]}" for c, d in RUNS]))
 def test_block_sparse_forward_and_gradients(case, dtype):
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the interpreter computes bf16 products wrongly")

@@ -4,9 +4,9 @@ GPUs we claim (no GPU needed: Triton compiles ahead of time for a named target).
 Run as a test (which starts this file in a fresh interpreter, since the test
 session may have turned on the Triton interpreter), or directly:
 ``python tests/kernels/test_compile_targets.py sm90`` (``--first``: the first table
-configuration only). The default test run compiles the first configuration for one
-NVIDIA and one AMD target; the exhaustive sweep over every target and configuration
-is marked ``slow`` (CI runs it).
+configuration only; ``--core``: of it, the descriptor path's forward, dQ and dK/dV). The
+default test run compiles sm90's core; the exhaustive sweep over every target and
+configuration, every variant, is marked ``slow`` (CI runs it).
 
 This is what keeps the CPU-only CI honest about the compiled path: the interpreter
 accepts code the compiler rejects (global constexprs, dot precisions an AMD
@@ -134,7 +134,10 @@ def product_instruction(arch, rows, warps):
     return instruction
 
 
-def compile_all(arch, first_only=False):
+def compile_all(arch, first_only=False, core=False):
+    """``core`` (with ``first_only``): the descriptor path (sm90's) forward, dQ and dK/dV
+    only, without their second launches, the one-pass backward and the variants the first
+    configuration adds (the split scan, one-launch redo)."""
     from na3d.kernels.backward import na3d_bwd_delta_kernel, na3d_bwd_dkdv_kernel, na3d_bwd_dq_kernel
     from na3d.kernels.forward import na3d_fwd_kernel
 
@@ -163,7 +166,7 @@ def compile_all(arch, first_only=False):
                     STRIDED=i % 2 == 1, GROUP=2 if i % 3 == 2 else 1, ASSUME_FINITE=False, PDL=arch == "sm90")
         dilated = dict(zip(("DIL_T", "DIL_H", "DIL_W"), DILATION_CYCLE[i % len(DILATION_CYCLE)]))
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
-        for use_tma in (False, True) if arch == "sm90" else (False,):
+        for use_tma in ((True,) if core else (False, True)) if arch == "sm90" else (False,):
             # The plain per-step mask and a cycling choice of modes, alternately (every
             # table has several configurations, so each target compiles both).
             modes = (0, 0, 0) if (i + use_tma) % 2 == 0 else MASK_CYCLE[i % len(MASK_CYCLE)]
@@ -175,19 +178,19 @@ def compile_all(arch, first_only=False):
                                    warps, stages, cap), "forward")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], warps)
             assert expected in fwd.asm[asm], f"{arch} {bucket}: forward has no {expected}"
-            if i == 0 and not split:  # the split scan (a table's split_full) on every target, once
+            if i == 0 and not split and not core:  # the split scan (a table's split_full) on every target, once
                 fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma,
                                                                REDO=False, SPLIT_FULL=True, **tiles, **flags),
                                  warps, stages, cap), "split forward")
             if use_tma:
                 assert "cp.async.bulk.tensor" in fwd.asm[asm], f"{bucket}: forward with TMA has no bulk tensor copy"
-            if use_tma == (arch == "sm90"):  # the safe kernel (kernels/programs.py), once per configuration
+            if use_tma == (arch == "sm90") and not core:  # the safe kernel (kernels/programs.py), once per configuration
                 redo = fits(compile_for(na3d_fwd_kernel, target, dict(base, RETURN_LSE=True, SCALE_SIGN=1,
                                                                       USE_TMA=use_tma, REDO=True, SPLIT_FULL=split,
                                                                       **tiles, **flags),
                                         warps, 1), "forward's second launch")
                 dependent_launch(arch, asm, fwd, redo)
-                if i == 0:  # one launch, each program redoing its own tile (a config's redo_in_program)
+                if i == 0 and not core:  # one launch, each program redoing its own tile (a config's redo_in_program)
                     one_launch(arch, asm, fits(compile_for(na3d_fwd_kernel, target, dict(
                         base, RETURN_LSE=True, SCALE_SIGN=1, USE_TMA=use_tma, REDO=False, REDO_IN_PROGRAM=True,
                         SPLIT_FULL=split, **tiles, **flags), warps, stages, cap), "forward redoing in program"))
@@ -204,7 +207,7 @@ def compile_all(arch, first_only=False):
             dq_cap, dkdv_cap = bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg")
         tiles = dict(Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2], KV_T=kv_tile[0], KV_H=kv_tile[1], KV_W=kv_tile[2])
         dual = dict(K_T=dkdv_k[0], K_H=dkdv_k[1], K_W=dkdv_k[2], Q_T=dkdv_q[0], Q_H=dkdv_q[1], Q_W=dkdv_q[2])
-        for use_tma in (False, True) if arch == "sm90" else (False,):
+        for use_tma in ((True,) if core else (False, True)) if arch == "sm90" else (False,):
             # As the forward: the plain mask and the cycle of modes, alternately.
             modes = (0, 0, 0) if (i + use_tma) % 2 == 1 else MASK_CYCLE[i % len(MASK_CYCLE)]
             modes = dict(zip(("MASK_T", "MASK_H", "MASK_W"), modes))
@@ -216,7 +219,7 @@ def compile_all(arch, first_only=False):
                                   dq_warps, dq_stages, dq_cap), "dQ")
             expected = product_instruction(arch, q_tile[0] * q_tile[1] * q_tile[2], dq_warps)
             assert expected in dq.asm[asm], f"{arch} {bucket}: dQ has no {expected}"
-            if i == 0 and not dq_split:
+            if i == 0 and not dq_split and not core:
                 fits(compile_for(na3d_bwd_dq_kernel, target, dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False,
                                                                   SPLIT_FULL=True, **tiles, **modes, **dil),
                                  dq_warps, dq_stages, dq_cap), "split dQ")
@@ -227,7 +230,7 @@ def compile_all(arch, first_only=False):
                                     dkdv_warps, dkdv_stages, dkdv_cap), "dK/dV")
             expected = product_instruction(arch, dkdv_k[0] * dkdv_k[1] * dkdv_k[2], dkdv_warps)
             assert expected in dkdv.asm[asm], f"{arch} {bucket}: dK/dV has no {expected}"
-            if i == 0 and not dkdv_split:
+            if i == 0 and not dkdv_split and not core:
                 fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                  dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
                                       SPLIT_FULL=True, **dual, **dil, **PLAIN_MASKS),
@@ -235,6 +238,9 @@ def compile_all(arch, first_only=False):
             # The one-pass backward runs only where a table selects it (``fused``): it must
             # fit there; elsewhere it must compile (an explicit config may select it, and a
             # launch that does not fit fails with Triton's out-of-resources error).
+            if core:  # (the fused backward and the second launches: every configuration's, slow run)
+                assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv)), bucket
+                continue
             fused = compile_for(na3d_bwd_dkdv_kernel, target,
                                 dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=False,
                                      **dual, **dil, **PLAIN_MASKS),
@@ -253,7 +259,7 @@ def compile_all(arch, first_only=False):
                                              SPLIT_FULL=dkdv_split, **dual, **dil, **PLAIN_MASKS), dkdv_warps, 1),
                             "dK/dV's second launch")
                 dependent_launch(arch, asm, dkdv, redo)
-                if i == 0:
+                if i == 0 and not core:
                     one_launch(arch, asm, fits(compile_for(na3d_bwd_dq_kernel, target, dict(
                         base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False, REDO_IN_PROGRAM=True, SPLIT_FULL=dq_split,
                         **tiles, **modes, **dil), dq_warps, dq_stages, dq_cap), "dQ redoing in program"))
@@ -268,7 +274,8 @@ def compile_all(arch, first_only=False):
         delta = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, HAS_DLSE=True,
                      Q_T=q_tile[0], Q_H=q_tile[1], Q_W=q_tile[2])
         compile_for(na3d_bwd_delta_kernel, target, delta, 4, 1)
-    which = "the first table configuration" if first_only else "every table configuration"
+    which = ("the first table configuration's core" if core else "the first table configuration" if first_only
+             else "every table configuration")
     print(f"{arch}: all kernels compiled with {which}, within {SHARED_LIMIT[arch]} B of shared memory")
 
 
@@ -295,9 +302,10 @@ def compile_in_fresh_interpreter(*args):
 @pytest.mark.parametrize("arch", ["sm90"])
 def test_first_configuration_compiles_for_target(arch):
     # The default run's compile check: sm90, the measured target (its first table
-    # configuration, every variant). The other targets, gfx942's first configuration
-    # included, compile with every configuration in the slow run (below).
-    compile_in_fresh_interpreter(arch, "--first")
+    # configuration's forward, dQ and dK/dV: 4 compiles with the delta kernel, about 20 s
+    # from a cold cache on 2 cores, where every variant took 110 s). Every variant of every
+    # configuration, on every target, compiles in the slow run (below).
+    compile_in_fresh_interpreter(arch, "--first", "--core")
 
 
 @pytest.mark.slow
@@ -308,4 +316,5 @@ def test_kernels_compile_for_target(arch):
 
 
 if __name__ == "__main__":
-    compile_all(sys.argv[1], first_only="--first" in sys.argv[2:])
+    compile_all(sys.argv[1], first_only="--first" in sys.argv[2:] or "--core" in sys.argv[2:],
+                core="--core" in sys.argv[2:])

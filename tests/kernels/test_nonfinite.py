@@ -99,8 +99,9 @@ def assert_isolated(got, zeroed, oracle, oracle_zeroed):
 
 
 # A quick sample by default (fixed, bit-masked and per-step axes, causal, the plain
-# mask: the tilings of seeds 0, 1, 3 and 6); the whole sweep is marked slow.
-QUICK_SEEDS = (0, 1, 3, 6)
+# mask, the one-pass backward: the tilings of seeds 1, 3 and 6); the whole sweep is
+# marked slow (seed 0, one step over all keys, among them).
+QUICK_SEEDS = (1, 3, 6)
 FUZZ_SEEDS = [s if s in QUICK_SEEDS else pytest.param(s, marks=pytest.mark.slow) for s in range(28)]
 
 
@@ -111,7 +112,8 @@ def test_fuzz_kernels(seed):
 
 # The same problems with each program computing its own flagged tile again, in the
 # one launch (configs' redo_in_program): the same results, bit for bit where finite.
-@pytest.mark.parametrize("seed", [s if s in (0, 3) else pytest.param(s, marks=pytest.mark.slow) for s in range(14)])
+# (Seed 3 by default: seed 0, the same tiling on a larger grid, takes three times as long.)
+@pytest.mark.parametrize("seed", [s if s == 3 else pytest.param(s, marks=pytest.mark.slow) for s in range(14)])
 def test_fuzz_kernels_redo_in_program(seed):
     fuzz_kernels(seed, in_program=True)
 

@@ -13,6 +13,7 @@ BENCH_CONFIG = dict(TINY_CONFIG, decoder_stage_kernels=((3, 1, 1), (3, 3, 3), (3
                     decoder_stage5_kernel=(1, 3, 3))
 
 
+@pytest.mark.slow  # (about 10 s of interpreted kernels: CI's slow run)
 def test_decoder_row_on_cpu():
     row = decoder_row("cpu", latent_shape=(1, 8, 1, 2, 2), dtype=torch.float32, warmup=0, repeats=1,
                       tiling=False, config=BENCH_CONFIG, log=lambda msg: None)
