@@ -239,7 +239,8 @@ def compile_all(arch, first_only=False, core=False):
             # fit there; elsewhere it must compile (an explicit config may select it, and a
             # launch that does not fit fails with Triton's out-of-resources error).
             if core:  # (the fused backward and the second launches: every configuration's, slow run)
-                assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv)), bucket
+                if use_tma:
+                    assert all("cp.async.bulk.tensor" in x.asm[asm] for x in (dq, dkdv)), bucket
                 continue
             fused = compile_for(na3d_bwd_dkdv_kernel, target,
                                 dict(base, ACCUMULATE_DQ=True, USE_TMA=use_tma, BULK_DQ=use_tma, REDO=False,
@@ -302,7 +303,7 @@ def compile_in_fresh_interpreter(*args):
 @pytest.mark.parametrize("arch", ["sm90"])
 def test_first_configuration_compiles_for_target(arch):
     # The default run's compile check: sm90, the measured target (its first table
-    # configuration's forward, dQ and dK/dV: 4 compiles with the delta kernel, about 20 s
+    # configuration's forward, dQ and dK/dV: 4 compiles with the delta kernel, about 9 s
     # from a cold cache on 2 cores, where every variant took 110 s). Every variant of every
     # configuration, on every target, compiles in the slow run (below).
     compile_in_fresh_interpreter(arch, "--first", "--core")
