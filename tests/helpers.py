@@ -97,13 +97,20 @@ def grads_of(fn, q, k, v, grad_out):
 
 
 def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1),
-                      is_causal=(False, False, False), stride=(1, 1, 1)):
+                      is_causal=(False, False, False), stride=(1, 1, 1), forward=None):
     """dq, dk, dv by the flash-attention backward formulas, in PyTorch at q's dtype.
 
     Matrix products take q's dtype (as the kernels' tensor-core inputs do), softmax
     statistics float32: ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``,
     ``dS = P (dO V^T - delta + dlse)``. This is "the same math" whose error against
     the float64 oracle sets the kernels' tolerance.
+
+    ``forward``: None, or the ``(out, lse)`` a forward produced, which the backward
+    then reads as the kernels' backward does (``P`` from that lse, ``delta`` from that
+    out) instead of computing its own. Their rounding is part of the backward's inputs:
+    an lse off by one ulp scales a whole row of ``P`` by ``1 + 1e-7`` (fp32), and where
+    one key dominates a row that moves a gradient element by far more than the
+    backward's own arithmetic does (NOTES v43).
     """
     B, T, H, W, NH, HD = q.shape
     n, dt = T * H * W, q.dtype
@@ -118,8 +125,13 @@ def flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dila
     kf, vf = (hf(x).repeat_interleave(group, dim=1) for x in (k, v))
     s = (qf @ kf.transpose(-1, -2)).float() * scale
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
-    o = p.to(dt) @ vf
+    if forward is None:
+        p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+        o = p.to(dt) @ vf
+    else:
+        out, lse = (x.to(q.device) for x in forward)
+        p = torch.exp(s - lse.reshape(B, n, NH).transpose(1, 2).unsqueeze(-1).float())
+        o = hf(out)
     delta = (dof.float() * o.float()).sum(-1, keepdim=True)
     if grad_lse is not None:
         delta = delta - grad_lse.reshape(B, n, NH).transpose(1, 2).unsqueeze(-1).float()
@@ -149,18 +161,44 @@ def oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=
     return [t.grad for t in leaves]
 
 
+def assert_lse_matches_oracle(lse, q, k, v, kernel_size, scale, dilation=(1, 1, 1), is_causal=(False, False, False),
+                              stride=(1, 1, 1)):
+    """A forward's float32 log-sum-exp against the float64 oracle's: twice the error of
+    PyTorch's float32 logsumexp over the same scores at q's dtype, plus a float32
+    rounding band."""
+    kw = dict(scale=scale, dilation=dilation, is_causal=is_causal, stride=stride, return_lse=True)
+    want = na3d.na3d_brute_force(q.double(), k.double(), v.double(), kernel_size, **kw)[1]
+    same = na3d.na3d_brute_force(q, k, v, kernel_size, compute_dtype=None, **kw)[1]
+    assert lse.shape == want.shape and lse.dtype == torch.float32, (lse.shape, want.shape, lse.dtype)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse is non-finite where the oracle's is finite, or back"
+    err = (lse.cpu().double() - want)[finite].abs().max().item()
+    tol = 2 * (same.double() - want)[finite].abs().max().item() + 2 * torch.finfo(torch.float32).eps * max(
+        1.0, want[finite].abs().max().item())
+    assert err <= tol, f"lse: max abs error {err:.3e} > tolerance {tol:.3e}"
+
+
 def assert_grads_match_oracle(grads, q, k, v, grad_out, kernel_size, scale, grad_lse=None, dilation=(1, 1, 1),
-                              is_causal=(False, False, False), stride=(1, 1, 1)):
+                              is_causal=(False, False, False), stride=(1, 1, 1), forward=None):
     """Kernel gradients against float64 autograd through the brute force.
 
     Tolerance per tensor: twice the error of the same math (``flash_style_grads`` at
     q's dtype), plus a rounding band. Everything is compared on the CPU.
+
+    ``forward``: the ``(out, lse)`` the backward was given. The same math then reads
+    them too (its error carries their rounding, as the kernels' does); first, each
+    is checked against the oracle at its own derived tolerance, so a wrong forward
+    cannot widen the backward's.
     """
     grads = [g.cpu() for g in grads]
     q, k, v, grad_out = (t.cpu() for t in (q, k, v, grad_out))
     grad_lse = grad_lse.cpu() if grad_lse is not None else None
+    if forward is not None:
+        forward = tuple(x.cpu() for x in forward)
+        assert_matches_oracle(forward[0], q, k, v, kernel_size, scale, dilation, is_causal, stride)
+        assert_lse_matches_oracle(forward[1], q, k, v, kernel_size, scale, dilation, is_causal, stride)
     oracle = oracle_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal, stride)
-    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal, stride)
+    same = flash_style_grads(q, k, v, grad_out, kernel_size, scale, grad_lse, dilation, is_causal, stride, forward)
     errors = {}
     for name, g, want, pt in zip(("dq", "dk", "dv"), grads, oracle, same):
         assert g.shape == want.shape and g.dtype == q.dtype, (name, g.shape, want.shape, g.dtype)

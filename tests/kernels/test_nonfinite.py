@@ -146,7 +146,7 @@ def fuzz_kernels(seed, in_program):
         assert_matches_oracle(zeroed[0].cpu(), *(zero[n].cpu() for n in "qkv"), kernel, scale, is_causal=causal,
                               stride=stride)
         assert_grads_match_oracle(zeroed[2:], *(zero[n] for n in "qkv"), grad_out, kernel, scale,
-                                  is_causal=causal, stride=stride)
+                                  is_causal=causal, stride=stride, forward=zeroed[:2])
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s >= 2 else s for s in range(10)])
