@@ -99,6 +99,62 @@ def lazy_tuple_type_names():
         lambda self: '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']')
 
 
+def lazy_tuple_types():
+    """Every tensor the interpreter makes carries its shape as a ``tl.tuple`` of
+    constexprs, and every ``tl.tuple`` built without a type computes one on the spot
+    (a type per member): about 750,000 of them in one test, read for a small share.
+    Here a tuple built without a type computes it the first time it is read; a tuple
+    given one, and every assignment, are the interpreter's own."""
+    from triton.language import core
+
+    def tuple_init(self, args, type=None):
+        self.values = [i for i in args]
+        if isinstance(type, core.tuple_type):
+            self.__dict__["_type"] = type
+        elif type is not None:  # make_template in ASTFunction.deserialize may pass a list/tuple
+            self.__dict__["_type"] = core.tuple_type(type)
+        else:
+            self.__dict__["_type"] = None
+
+    def get_type(self):
+        t = self.__dict__.get("_type")
+        if t is None:
+            t = self.__dict__["_type"] = core._type_for_tuple_values(self.values)
+        return t
+
+    def set_type(self, t):
+        self.__dict__["_type"] = t
+
+    core.tuple.__init__ = tuple_init
+    core.tuple.type = property(get_type, set_type)
+
+
+def numpy_dtypes_once():
+    """The interpreter maps a Triton dtype to numpy's through a table it builds again
+    at every call (19 ``np.dtype`` objects, about 100,000 calls in one test); here the
+    table is built once. The mapping is the interpreter's own."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    table = {}
+    original = interpreter._get_np_dtype
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return np.dtype(np.uint64)
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return np.dtype(np.uint64)
+            tt_dtype = tt_dtype.element_ty
+        found = table.get(tt_dtype)
+        if found is None:
+            found = table[tt_dtype] = original(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
 # Only for the Triton the tests pin (the ``test`` extra), whose interpreter these mirror.
 if os.environ.get("TRITON_INTERPRET") == "1":
     import triton
@@ -107,6 +163,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         patch_language_once_per_launch()
         no_overflow_checks()
         lazy_tuple_type_names()
+        lazy_tuple_types()
+        numpy_dtypes_once()
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -127,6 +185,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(needs_gpu)
+
+
+# The GPU tests' largest shape: its forward and backward with their references hold
+# about 27 GiB per test (1 x 79 x 192 x 192 tokens). Three at once ran an 80 GB card out
+# of memory at -n 3 (NOTES v43); workers take it in turns.
+ONE_AT_A_TIME_ON_A_GPU = ("ltx-stage5-tile",)
+
+
+@pytest.fixture(autouse=True)
+def largest_shapes_one_at_a_time(request):
+    """On a GPU, a test of one of ``ONE_AT_A_TIME_ON_A_GPU`` (by its id) holds a lock
+    file that every pytest worker of this user shares, so that no two of them share
+    the card's memory, and returns the memory its worker cached before letting go;
+    everything else runs as before, in parallel."""
+    if not torch.cuda.is_available() or not any(name in request.node.name for name in ONE_AT_A_TIME_ON_A_GPU):
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"na3d-tests-gpu-memory-{os.getuid()}.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            # PyTorch's allocator keeps what the test freed; give it back before the next one.
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture
