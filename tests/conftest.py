@@ -129,6 +129,45 @@ def lazy_tuple_types():
     core.tuple.type = property(get_type, set_type)
 
 
+def lazy_tensor_shapes():
+    """Every ``tl.tensor`` the interpreter makes (hundreds of thousands per test) builds
+    its shape as a ``tl.tuple`` of constexprs and its element count as a constexpr on
+    the spot; most are never read. Here both are built the first time they are read,
+    from the tensor's type, as the interpreter builds them."""
+    import math
+
+    from triton.language import core
+
+    def tensor_init(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+
+    def block_shape(self):
+        return self.type.shape if self.type.is_block() else ()
+
+    def get_shape(self):
+        found = self.__dict__.get("shape")
+        if found is None:
+            found = self.__dict__["shape"] = core.tuple([core.constexpr(s) for s in block_shape(self)])
+        return found
+
+    def get_numel(self):
+        found = self.__dict__.get("numel")
+        if found is None:
+            found = self.__dict__["numel"] = core.constexpr(math.prod(block_shape(self)))
+        return found
+
+    def setter(name):
+        def set_value(self, value):
+            self.__dict__[name] = value
+        return set_value
+
+    core.tensor.__init__ = tensor_init
+    core.tensor.shape = property(get_shape, setter("shape"))
+    core.tensor.numel = property(get_numel, setter("numel"))
+
+
 def numpy_dtypes_once():
     """The interpreter maps a Triton dtype to numpy's through a table it builds again
     at every call (19 ``np.dtype`` objects, about 100,000 calls in one test); here the
@@ -164,6 +203,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         no_overflow_checks()
         lazy_tuple_type_names()
         lazy_tuple_types()
+        lazy_tensor_shapes()
         numpy_dtypes_once()
 
 sys.path.insert(0, os.path.dirname(__file__))
