@@ -4,8 +4,10 @@
 # Usage: [LIMIT=240] bash benchmarks/gpu_session_v59.sh   (no carry)
 # The stage-5 tile's benchmark-shape cases hold about 27 GiB each: alone (-n 0) after the rest, or they run out
 # of memory on an 80 GB card (3 of them did at -n 8 and at -n 3).
-# Run on an H100 at 8dc01d5 (logs/2026-12-07-h100/v59-*): 104 passed in 91 s, then the stage-5 tile's 3 passed
-# in 82 s. A case cut by LIMIT shows as not run in the verbose log, never as a pass.
+# Run on an H100 with the working tree of 8dc01d5 (logs/2026-12-07-h100/v59-*), in this script's first form (both
+# files at -n 8, the stage-5 tile included): 104 passed and the stage-5 tile's 3 out of memory, in 91 s; then those 3
+# alone (-n 0): 3 passed in 82 s. This form, as written, has not run. A case cut by LIMIT shows as not run in the
+# verbose log, never as a pass.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env.txt

@@ -21,7 +21,7 @@ import na3d
 from na3d import geometry, launch
 from na3d.configs import BackwardConfig, ForwardConfig
 from na3d.reference import na3d_windowed
-from helpers import assert_grads_match_oracle, assert_matches_oracle, make_qkv
+from helpers import assert_grads_match_oracle, make_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -141,10 +141,9 @@ def fuzz_kernels(seed, in_program):
     zeroed = kernel_results(zero, *args)
     assert_isolated(got, zeroed, oracle_results(bad, kernel, scale, grad_out, is_causal=causal, stride=stride),
                     oracle_results(zero, kernel, scale, grad_out, is_causal=causal, stride=stride))
-    # The zeroed run itself is right: against the float64 oracle, derived tolerances.
+    # The zeroed run itself is right: against the float64 oracle, derived tolerances (its
+    # out and lse first, then the gradients with the same math reading them).
     if not bwd_cfg.fused:
-        assert_matches_oracle(zeroed[0].cpu(), *(zero[n].cpu() for n in "qkv"), kernel, scale, is_causal=causal,
-                              stride=stride)
         assert_grads_match_oracle(zeroed[2:], *(zero[n] for n in "qkv"), grad_out, kernel, scale,
                                   is_causal=causal, stride=stride, forward=zeroed[:2])
 
