@@ -363,18 +363,22 @@ def dkdv_tile(
                + cols.d[None, :])
     dv_ptrs = (head_base(DV, dv_strides, batch, head) + position_offsets(dv_strides, keys.t, keys.h, keys.w)[:, None]
                + cols.d[None, :])
-    dk = (dk * scale).to(DK.dtype.element_ty)
-    dv = dv.to(DV.dtype.element_ty)
-    tl.store(dk_ptrs, dk, mask=store)
-    tl.store(dv_ptrs, dv, mask=store)
-    # Checked as stored, row by row: the float32 accumulators are dead by then,
-    # and a row's sum needs no shared memory, which keeps the loop's register
-    # allocation within 4 instructions of the unchecked kernel's (a whole-tile sum
-    # cost 18 and a spill: NOTES v21). A value that overflows the storage type is
-    # flagged too, and merely recomputed.
+    dk = dk * scale
+    # Checked row by row (a row's sum needs no shared memory, which keeps the loop's
+    # register allocation within 4 instructions of the unchecked kernel's; a
+    # whole-tile sum cost 18 and a spill: NOTES v21), on the float32 results before
+    # their conversion, both tiles in one sum: an inf or NaN in either makes its
+    # row's total non-finite. (Checked after the conversion, each stored element
+    # was converted back, one at a time: about 210 more instructions a program,
+    # NOTES v44.) A conversion that overflows the storage type is the exact result's
+    # rounding and needs no recomputation.
     if not ASSUME_FINITE:
-        return nonfinite_rows(dk) | nonfinite_rows(dv)
-    return tl.zeros([BLOCK_N], tl.int1)
+        nonfinite = nonfinite_rows(dk + dv)
+    else:
+        nonfinite = tl.zeros([BLOCK_N], tl.int1)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store)
+    return nonfinite
 
 
 @triton.jit
