@@ -1,7 +1,7 @@
 """What a call launches on sm90, compiled here (no GPU needed), at any revision.
 
     python benchmarks/launched_sass.py ROOT --shape B T H W NH HD --kernel KT KH KW [--assume-finite] [--backward]
-        [--redo-in-program]
+        [--redo-in-program] [--dump DIR]
 
 Imports ``na3d`` from ``ROOT/src`` (a checkout or ``git archive`` of any revision),
 makes its launchers believe the tensors sit on an sm90 GPU (the sm90 table, 132
@@ -9,8 +9,11 @@ SMs) and runs ``launch.na3d_forward`` (and ``na3d_backward``) on CPU tensors of
 the shape, bf16. Each kernel launch is compiled instead of run: Triton's own
 launcher binds the arguments, so the specialization (divisibility, constants) is a
 real launch's. Prints, per launch, the PTX lines, SASS instructions, the key
-loops' lengths (``sass_loop.key_loops``), the shared memory and ptxas's register
-and spill counts. Used to compare the
+loops' lengths (``sass_loop.key_loops``) and the local loads and stores in the
+first of them (spills inside the loop), the shared memory and ptxas's register
+and spill counts. ``--dump DIR`` also writes each launch's SASS there
+(``<kernel>.sass``, ``<kernel>.redo.sass`` for a second launch), to compare
+opcode by opcode. Used to compare the
 code two revisions launch for one benchmark shape (NOTES v33: edge-wide at 324d74b
 and now).
 """
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="also the backward's launches")
     parser.add_argument("--redo-in-program", action="store_true",
                         help="(trees that have it) every kernel in one launch, redoing flagged tiles in program")
+    parser.add_argument("--dump", metavar="DIR", default=None, help="write each launch's SASS into DIR")
     args = parser.parse_args()
 
     sys.path.insert(0, os.path.join(os.path.abspath(args.root), "src"))
@@ -111,10 +115,16 @@ def main() -> None:
             f.flush()
             sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
         instructions, loops = key_loops(sass)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, f"{name}{'.redo' if kwargs.get('REDO') else ''}.sass"), "w") as f:
+                f.write(sass)
         registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm))
+        local = sum(" LDL" in f" {text}" or " STL" in f" {text}" for text in loops[0]) if loops else 0
         print(f"{name}{' (second launch)' if kwargs.get('REDO') else ''}: warps {kwargs.get('num_warps')}, "
               f"PTX {len(kernel.asm['ptx'].splitlines())} lines, SASS {len(instructions)} instructions, "
-              f"key loops {[len(body) for body in loops]}, shared {kernel.metadata.shared} B, {registers}")
+              f"key loops {[len(body) for body in loops]} ({local} local accesses in the first), "
+              f"shared {kernel.metadata.shared} B, {registers}")
 
 
 def ptxas_registers(ptx: str, bin_dir: str) -> str:
