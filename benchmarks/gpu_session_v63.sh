@@ -17,22 +17,9 @@
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env.txt
-for tree in ipdq ipdq_pdl; do
-  rm -rf /tmp/$tree && mkdir -p /tmp/$tree && cp -r src /tmp/$tree/src
-  TREE=$tree python3 - <<'PY'
-import json, os
-tree = os.environ["TREE"]
-path = f"/tmp/{tree}/src/na3d/configs/sm90.json"
-table = json.load(open(path))
-for entry in table["forward"]:
-    if entry["bucket"] == "medium_window":
-        entry["backward"]["redo_in_program"] = True
-        entry["backward"]["dq_maxnreg"] = 128
-if tree == "ipdq_pdl":
-    table["dependent_launch"] = True
-open(path, "w").write(json.dumps(table, indent=1) + "\n")
-PY
-done
+edits="--set medium_window.backward.redo_in_program=true --set medium_window.backward.dq_maxnreg=128"
+python3 benchmarks/table_tree.py /tmp/ipdq $edits
+python3 benchmarks/table_tree.py /tmp/ipdq_pdl $edits --set dependent_launch=true
 ab() { [ $SECONDS -gt 420 ] && echo "skipped (at ${SECONDS}s): $*" && return
   timeout 100 env PYTHONPATH=$2 python3 benchmarks/ab_gpu_time.py --tag $1 --repeats 3 ${3:-} >> $OUT/ab.jsonl 2>> $OUT/ab.err
   echo "ab $1 rc=$? at ${SECONDS}s"; }
