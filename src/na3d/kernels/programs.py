@@ -100,16 +100,15 @@ def run_programs(tile_fn: tl.constexpr, args, FLAGS, n_tiles, heads, n_programs,
         head = tl.program_id(1)
         batch = tl.program_id(2)
         tile = tl.program_id(0)
+        flag = FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64))
+        if not ASSUME_FINITE and not REDO_IN_PROGRAM:
+            tl.store(flag, tl.zeros([], tl.int8))
         rows = tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, False, ASSUME_FINITE)
         if not ASSUME_FINITE:
             if REDO_IN_PROGRAM:
                 if tl.max(rows.to(tl.int32), 0) != 0:
                     tile_fn(tile, head, batch, tl.num_programs(1) * GROUP, *args, True, True)
             else:
-                # The flag's address and its 0 only now, after the tile: held across
-                # the tile's loop they cost the dK/dV loop registers (NOTES v44).
-                flag = FLAGS + tile + n_tiles * (head + grid_heads * batch.to(tl.int64))
-                tl.store(flag, tl.zeros([], tl.int8))
                 tl.debug_barrier()  # no 0 lands after a 1
                 tl.store(flag + tl.zeros_like(rows).to(tl.int64), tl.full(rows.shape, 1, tl.int8), mask=rows)
     else:
