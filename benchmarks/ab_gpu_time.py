@@ -31,6 +31,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tag", required=True)
     parser.add_argument("--shapes", nargs="*", help="shape names (default: the LTX benchmark shapes)")
+    parser.add_argument("--spec", action="append", default=[], metavar="NAME:B,T,H,W,NH,HD:KT,KH,KW",
+                        help="a shape of one's own (repeatable); with --spec only, just those are timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--dilation", type=int, nargs=3, default=None, help="call with this dilation")
@@ -49,14 +51,30 @@ def main(argv=None) -> None:
         specs.append(__import__("na3d.tools.bench", fromlist=["FEATURE_BASE"]).FEATURE_BASE)
     except (ImportError, AttributeError):
         pass
+    own = [parse_spec(text) for text in args.spec]
     if args.shapes:
-        specs = [s for s in specs if s["name"] in args.shapes]
+        specs = [s for s in specs if s["name"] in args.shapes] + own
+    elif own:
+        specs = own
     else:  # the LTX group (older trees list no groups: only those shapes)
         specs = [s for s in specs if s.get("group", "ltx") == "ltx"]
     timer = timer_class()(torch.device("cuda"), graphs=True)
     for spec in specs:
         time_shape(na3d, spec, timer, args)
         torch.cuda.empty_cache()
+
+
+def parse_spec(text: str) -> dict:
+    """``NAME:B,T,H,W,NH,HD:KT,KH,KW`` as a benchmark shape's entry."""
+    try:
+        name, shape, kernel = text.split(":")
+        spec = {"name": name, "shape": [int(x) for x in shape.split(",")],
+                "kernel_size": [int(x) for x in kernel.split(",")]}
+    except ValueError:
+        spec = None
+    if spec is None or len(spec["shape"]) != 6 or len(spec["kernel_size"]) != 3:
+        raise SystemExit(f"--spec {text!r}: expected NAME:B,T,H,W,NH,HD:KT,KH,KW")
+    return spec
 
 
 def time_shape(na3d, spec, timer, args) -> None:

@@ -375,12 +375,13 @@ def assert_grads_near_reference(grads, q, k, v, grad_out, kernel, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [(5, 7, 7), (8, 12, 12)], ids=str)
+@pytest.mark.parametrize("kernel", [(3, 5, 5), (3, 7, 7), (5, 7, 7), (8, 12, 12)], ids=str)
 def test_dit_regime_head_dim_128(kernel):
     """The video-DiT shapes (``bench_shapes("dit")``: head dim 128, windows of
     hundreds to thousands of keys) on a grid small enough for the float32 oracle:
     bf16 forward and gradients through the public op. (8, 12, 12): even kernels,
-    two of them spanning their whole axis."""
+    two of them spanning their whole axis. (3, 5, 5) and (3, 7, 7): the LTX
+    buckets' boxes at head dim 128 (their dK/dV without a register cap)."""
     shape, dtype = (1, 8, 12, 16, 2, 128), torch.bfloat16
     scale = shape[-1] ** -0.5
     q, k, v = make_qkv(shape, dtype, device="cuda", seed=11)
