@@ -42,6 +42,37 @@ def test_register_cap_narrowed_by_its_condition():
         configs._register_cap({"maxnreg": 168, "maxnreg_when": {"heads": 8}}, 64, (3, 5, 5), torch.float16)
 
 
+def test_a_backward_entry_narrowed_by_its_own_condition(monkeypatch):
+    # sm90: the short window's entry holds for head dims up to 64, and the small
+    # window's backward too; at 128 both kernels take the small window's forward and
+    # the medium window's backward (NOTES v45). Head dim 64 keeps its buckets.
+    from na3d import configs
+
+    def buckets(kernel, head_dim):
+        return tuple(f("sm90", (24, 48, 64), kernel, head_dim, torch.bfloat16).bucket
+                     for f in (configs.forward_config, configs.backward_config))
+
+    assert buckets((3, 5, 5), 64) == ("short_window", "short_window")
+    assert buckets((3, 7, 7), 64) == ("small_window", "small_window")
+    assert buckets((3, 5, 5), 128) == buckets((3, 7, 7), 128) == ("small_window", "medium_window")
+    bwd = configs.backward_config("sm90", (24, 48, 64), (3, 7, 7), 128, torch.bfloat16)
+    medium = next(e for e in configs.load_table("sm90")["forward"] if e["bucket"] == "medium_window")
+    assert bwd == configs.fit_backward(medium["backward"], (24, 48, 64), (3, 7, 7), "medium_window")
+    # No later bucket whose backward holds: an error naming the call, not a guess.
+    table = {"forward": [{"bucket": "only", "q_tile": [1, 4, 4], "kv_tile": [1, 4, 4], "num_warps": 4,
+                          "num_stages": 1, "backward": {"when": {"head_dim_max": 64}, "dq": [[1, 4, 4], [1, 4, 4]],
+                                                        "dkdv": [[1, 4, 4], [1, 4, 4]], "num_warps": 4,
+                                                        "num_stages": 1}}]}
+    monkeypatch.setattr(configs, "load_table", lambda arch: table)
+    configs.forward_config.cache_clear(), configs.backward_config.cache_clear()
+    try:
+        assert configs.backward_config("test", (8, 8, 8), (3, 3, 3), 64, torch.float16).bucket == "only"
+        with pytest.raises(ValueError, match="no later bucket's backward"):
+            configs.backward_config("test", (8, 8, 8), (3, 3, 3), 128, torch.float16)
+    finally:
+        configs.forward_config.cache_clear(), configs.backward_config.cache_clear()
+
+
 def test_bucket_alternatives_chosen_by_issued_products():
     # The 11x11x11 bucket's alternatives replace the option before them only where
     # the T borders make them issue at least 5 % fewer products: boxes 8 frames deep

@@ -409,6 +409,12 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
     the forward's tiles and dK/dV their transpose (key boxes the shape of the
     forward's query boxes, scanning query boxes the shape of its key boxes), with
     fewer pipeline stages since each step loads two tiles (Q and dO) per operand.
+
+    A ``backward`` entry's own ``when`` narrows it to the calls it holds for; for the
+    others the backward is that of the next bucket down the table whose ``when`` (and
+    its backward's) hold (:func:`_later_backward`): a forward's boxes that suit a head
+    dim whose backward they do not (sm90's short and small windows at head dim 128,
+    NOTES v45).
     """
     fwd = forward_config(arch, shape, kernel_size, head_dim, dtype, stride, is_causal, weigh_gluon=False)
     if not any(s > 1 for s in stride):
@@ -423,11 +429,27 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
                 # An alternative without a backward entry of its own takes its bucket's.
                 entry = option if "backward" in option else dict(option, backward=candidate.get("backward"))
     bwd = entry.get("backward")
+    if bwd is not None and not matches(bwd.get("when", {}), head_dim, kernel_size, dtype):
+        return _later_backward(table, fwd.bucket.split("/")[0], shape, kernel_size, head_dim, dtype)
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
                               max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask,
                               split_full=fwd.split_full, redo_in_program=fwd.redo_in_program)
     return fit_backward(bwd, shape, kernel_size, fwd.bucket)
+
+
+def _later_backward(table: Dict, bucket: str, shape: Triple, kernel_size: Triple, head_dim: int,
+                    dtype: torch.dtype) -> BackwardConfig:
+    """The ``backward`` entry of the first bucket after ``bucket`` in ``table`` whose
+    ``when`` and whose backward's ``when`` hold for the call, fitted to ``shape``."""
+    names = [entry["bucket"] for entry in table["forward"]]
+    for entry in table["forward"][names.index(bucket) + 1:]:
+        bwd = entry.get("backward")
+        if (bwd is not None and matches(entry.get("when", {}), head_dim, kernel_size, dtype)
+                and matches(bwd.get("when", {}), head_dim, kernel_size, dtype)):
+            return fit_backward(bwd, shape, kernel_size, entry["bucket"])
+    raise ValueError(f"config table: the backward of bucket {bucket!r} does not hold for head_dim={head_dim}, "
+                     f"kernel_size={tuple(kernel_size)}, dtype={dtype}, and no later bucket's backward does")
 
 
 def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "explicit") -> BackwardConfig:

@@ -304,7 +304,13 @@ def tune_forward(entry: dict, members: List[dict], args, timer, device, budget) 
 
 def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, device,
                   budget) -> Dict[str, Dict[str, float]]:
-    """Two steps on the bucket's shapes: dQ tiles (dK/dV fixed), then dK/dV tiles."""
+    """Two steps on the bucket's shapes: dQ tiles (dK/dV fixed), then dK/dV tiles.
+    Only the shapes its backward's own ``when`` holds for (the others take a later
+    bucket's backward: ``configs.backward_config``); the entry written keeps it."""
+    when = (entry.get("backward") or {}).get("when", {})
+    members = [s for s in members if configs.matches(when, s["shape"][-1], s["kernel_size"], torch.bfloat16)]
+    if not members:
+        return {}
     names = [s["name"] for s in members]
     launches = [tuple(int(x) for x in s.split(",")) for s in args.bwd_launch]
     dkdv_launches = [tuple(int(x) for x in s.split(",")) for s in (args.dkdv_launch
@@ -379,7 +385,7 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
                                       (False, True) if args.fused else (False,))
     picked = json.loads(choice)
     before = backward_key(as_config(dq_now, dkdv_now))
-    entry["backward"] = dict(picked, measured={
+    entry["backward"] = dict(({"when": when} if when else {}), **picked, measured={
         m: {"ms": round(step2[m][choice], 4), "best_ms": round(best[m], 4),
             "before_ms": round(step1[m].get(before, float("nan")), 4), "timing": timing_method(timer)}
         for m in names})
