@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     switches = {name: int(value) for name, value in (s.split("=") for s in args.switch)}
     kernel = build_gluon_for_sm90(args.head_dim, tuple(args.q_box), tuple(args.kv_box), args.stages,
-                                  return_lse=False, check=not args.no_check, **switches)
+                                  return_lse=False, assume_finite=args.no_check, **switches)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "k.ptx")

@@ -196,7 +196,7 @@ def sm90_block_sparse_forward(q, k, v, out, lse, flags, stages: int, q_box, kv_b
     na3d_fwd_sm90_kernel[(math.prod(tiles), NH, B)](
         descriptor(q, q_box), descriptor(k, kv_box), descriptor(v, kv_box), out, lse if lse is not None else out,
         flags, tuple(out.stride()[:5]), T, H, W, *kernel_size, *stride, tiles[1], tiles[2], NH, scale * LOG2_E,
-        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, lse is not None, not assume_finite, num_warps=4,
+        tuple(q_box), tuple(kv_box), NH // k.shape[4], HD, stages, lse is not None, assume_finite, num_warps=4,
         **switches)
 
 

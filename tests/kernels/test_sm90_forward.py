@@ -261,7 +261,7 @@ def table_gluon_configs():
     return found
 
 
-def build_gluon_for_sm90(head_dim, q_box, kv_box, stages, return_lse=True, check=True, **switches):
+def build_gluon_for_sm90(head_dim, q_box, kv_box, stages, return_lse=True, assume_finite=False, **switches):
     """The Gluon forward compiled for sm90 (no GPU: a driver that answers sm90), with
     ``switches`` (its measurement switches); also ``benchmarks/sm90_gluon_sass.py``'s."""
     from triton.backends.compiler import GPUTarget
@@ -294,7 +294,7 @@ def build_gluon_for_sm90(head_dim, q_box, kv_box, stages, return_lse=True, check
     flags = torch.empty(64, dtype=torch.int8)
     return na3d_fwd_sm90_kernel.warmup(
         descriptor(q_box), descriptor(kv_box), descriptor(kv_box), x, lse, flags, tuple(x.stride()[:5]), T, H, W,
-        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, return_lse, check, grid=(1,),
+        4, 16, 16, 2, 8, 8, 4, 4, NH, 0.1, q_box, kv_box, 1, head_dim, stages, return_lse, assume_finite, grid=(1,),
         num_warps=4, **switches)
 
 

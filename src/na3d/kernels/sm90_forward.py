@@ -87,7 +87,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
               o_strides, T, H, W, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ST, SH, SW, tiles_h,
               tiles_w, heads, qk_scale, HALF: gl.constexpr, Q_BOX: gl.constexpr, KV_BOX: gl.constexpr,
               GROUP: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, ASSUME_FINITE: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TURN_AFTER_SCORES: gl.constexpr):
     """One warpgroup: queries ``HALF * 64 ..`` of the box, the online softmax over
     every key box, and their output (and lse) rows.
@@ -182,7 +182,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     # from the accumulator's own layout (no shared memory for a layout change).
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     x = acc / l_o[:, None]
-    if CHECK:
+    if not ASSUME_FINITE:
         # The portable kernel's flag (``kernels.programs.run_programs``): 1 where this
         # program's tile holds an inf or NaN; the flags start at 0 and either half
         # may set it. The portable kernel's second launch then redoes the tile.
@@ -210,15 +210,15 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
                          KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, ST, SH, SW,
                          tiles_h, tiles_w, heads, qk_scale,
                          Q_BOX: gl.constexpr, KV_BOX: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, CHECK: gl.constexpr,
+                         STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, ASSUME_FINITE: gl.constexpr,
                          OVERLAP: gl.constexpr = True, PINGPONG: gl.constexpr = True,
                          TURN_AFTER_SCORES: gl.constexpr = False):
     """Grid: (query boxes, heads, batch); launched with 4 warps (the first
     warpgroup), the second a worker partition. The window ``KT, KH, KW`` is a
     compile-time constant: the loading warpgroup finds each step's key box by
     dividing by the window's box counts, and constant divisors keep that off its
-    path to the next products (7 % of the kernel's time at head dim 128, NOTES v38). ``CHECK``: set ``FLAGS`` (int8 per
-    program, zeroed by the caller) where the output holds an inf or NaN. Q, K, V descriptors over
+    path to the next products (7 % of the kernel's time at head dim 128, NOTES v38). Unless ``ASSUME_FINITE``: set ``FLAGS``
+    (int8 per program, zeroed by the caller) where the output holds an inf or NaN. Q, K, V descriptors over
     ``(B, T, H, W, NH * HD)`` with blocks of one head's box; O any strides."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -240,10 +240,10 @@ def na3d_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, FLAGS, o_strides, T, H,
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
                      LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 0, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, ASSUME_FINITE, OVERLAP, PINGPONG,
                      TURN_AFTER_SCORES)),
         (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, turn, O,
                      LSE, FLAGS, o_strides, T, H, W, KT, KH, KW, ST, SH, SW, tiles_h, tiles_w, heads, qk_scale, 1, Q_BOX, KV_BOX,
-                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, CHECK, OVERLAP, PINGPONG,
+                     GROUP, HEAD_DIM, STAGES, RETURN_LSE, ASSUME_FINITE, OVERLAP, PINGPONG,
                      TURN_AFTER_SCORES)),
     ], [4], [240])
