@@ -6,6 +6,8 @@ Times whichever ``na3d`` is first on ``sys.path`` (run it once per tree, e.g.
 prints one JSON line per shape and pass: GPU time by CUDA-graph replay (L2 flushed
 before each replay; the backward as forward + backward minus forward, as in the
 benchmark), median of ``--repeats`` medians. bf16, inputs as in the benchmark.
+``python benchmarks/ab_gpu_time.py --summarize FILE [TAG ...]`` prints those lines'
+medians per tag (default: old and new), each over the first tag's.
 """
 
 import argparse
@@ -108,20 +110,23 @@ def time_shape(na3d, spec, timer, args) -> None:
                       "runs": [round(t, 5) for t in bwd]}), flush=True)
 
 
-def summarize(path: str) -> None:
-    """Print new/old per shape and pass from a file of the lines ``main`` prints."""
+def summarize(path: str, tags=("old", "new")) -> None:
+    """Print, from a file of the lines ``main`` prints, each tag's median per shape and
+    pass, then each later tag's over the first's."""
     rows = [json.loads(line) for line in open(path) if line.startswith("{")]
     runs = {}
     for r in rows:
         runs.setdefault((r["name"], r["pass"]), {}).setdefault(r["tag"], []).append(r["gpu_ms"])
-    print(f"{'shape':<18}{'pass':>5}{'old ms':>10}{'new ms':>10}{'new/old':>9}")
-    for (name, pas), tags in runs.items():
-        old, new = statistics.median(tags.get("old", [float("nan")])), statistics.median(tags.get("new", [float("nan")]))
-        print(f"{name:<18}{pas:>5}{old:>10.4f}{new:>10.4f}{new / old:>9.3f}")
+    print(f"{'shape':<18}{'pass':>5}" + "".join(f" {t:>9}" for t in tags)
+          + "".join(f" {t + '/' + tags[0]:>13}" for t in tags[1:]))
+    for (name, pas), by_tag in runs.items():
+        ms = [statistics.median(by_tag[t]) if t in by_tag else float("nan") for t in tags]
+        print(f"{name:<18}{pas:>5}" + "".join(f" {m:>9.4f}" for m in ms)
+              + "".join(f" {m / ms[0]:>13.3f}" for m in ms[1:]))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--summarize":
-        summarize(sys.argv[2])
+    if len(sys.argv) >= 3 and sys.argv[1] == "--summarize":  # --summarize FILE [TAG ...], the first the base
+        summarize(sys.argv[2], tuple(sys.argv[3:]) or ("old", "new"))
     else:
         main()

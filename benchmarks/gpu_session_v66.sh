@@ -25,17 +25,7 @@ ab() { [ $SECONDS -gt 420 ] && echo "skipped (at ${SECONDS}s): $*" && return
   echo "ab $1 rc=$? at ${SECONDS}s"; }
 ab base src; ab w8 /tmp/w8/src; ab st1 /tmp/st1/src; ab k128 /tmp/k128/src
 ab k128 /tmp/k128/src; ab st1 /tmp/st1/src; ab w8 /tmp/w8/src; ab base src
-python3 - <<'PY'
-import json, statistics, os
-d = {}
-for r in (json.loads(l) for l in open(os.path.join(os.environ["OUT"], "ab.jsonl")) if l.startswith("{")):
-    d.setdefault((r["name"], r["pass"]), {}).setdefault(r["tag"], []).append(r["gpu_ms"])
-tags = ("base", "w8", "st1", "k128")
-nan = float("nan")
-for (n, p), t in d.items():
-    m = {k: statistics.median(v) for k, v in t.items()}
-    print(f"{n:<18}{p:>5}" + "".join(f"{k:>6} {m.get(k, nan):.4f} ({m.get(k, nan) / m.get('base', nan):.3f})" for k in tags))
-PY
+python3 benchmarks/ab_gpu_time.py --summarize $OUT/ab.jsonl base w8 st1 k128
 echo "=== head-dim-128 GPU tests, w8"
 timeout $((590 - SECONDS)) env PYTHONPATH=/tmp/w8/src python3 -m pytest -q -m "" -n 4 -p no:cacheprovider -k "dit_regime" \
   tests/kernels/test_backward.py > $OUT/gpu_tests.log 2>&1
