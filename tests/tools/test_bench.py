@@ -266,11 +266,14 @@ def test_gpu_time_takes_its_turn_in_the_rounds():
 def test_features_and_their_row_names():
     assert list(bench.FEATURES) == ["gqa-8on2", "mqa", "dilation-122", "dilation-222", "causal-t", "causal-thw", "lse"]
     bases = bench.feature_bases()
-    assert [b["name"] for b in bases] == ["feature-base", "ltx-stage3"]
+    assert [b["name"] for b in bases] == ["feature-base", "ltx-stage3", "feature-hd128"]
     assert bases[0]["shape"] == [1, 24, 48, 64, 8, 64] and bases[0]["kernel_size"] == [3, 5, 5]
+    assert bases[2]["shape"] == [1, 24, 48, 64, 8, 128] and bases[2]["kernel_size"] == [9, 11, 11]
     assert {b["shape"][4] for b in bases} == {8}  # 8 query heads: 8 on 2 and 8 on 1
-    # The feature base is not a benchmark shape: the tuner and the tests do not pick it up.
-    assert "feature-base" not in {s["name"] for s in bench_shapes("all")}
+    # Every feature runs on every base (dilation (2,2,2) fits each grid).
+    assert not [(f, b["name"]) for f, a in bench.FEATURES.items() for b in bases if bench.feature_skip_reason(b, a)]
+    # The feature bases are not benchmark shapes: the tuner and the tests do not pick them up.
+    assert not {"feature-base", "feature-hd128"} & {s["name"] for s in bench_shapes("all")}
     assert [b["name"] for b in bench.feature_bases(["ltx-stage3"])] == ["ltx-stage3"]
     with pytest.raises(ValueError, match="ltx-stage1"):
         bench.feature_bases(["ltx-stage1"])

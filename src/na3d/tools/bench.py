@@ -34,7 +34,7 @@ host; ``gpu_ms`` is what CUDA graphs and ``torch.compile``'s graph mode get.
 ``--features`` times, instead of the shape rows, each feature of the call (``FEATURES``:
 GQA 8 query heads on 2 key/value heads, MQA, dilation (1,2,2) and (2,2,2), causal time
 and causal on all axes, ``return_lse``) against the plain ``na3d(q, k, v, kernel_size)``
-on the same base shape (``feature-base``, ``ltx-stage3``), forward (and backward with
+on the same base shape (``feature-base``, ``ltx-stage3``, ``feature-hd128``), forward (and backward with
 ``--backward``). Rows ``feature-<name>/<base>`` hold ``ms`` and ``gpu_ms`` of ``plain``
 and ``feature``, ``vs_plain`` (feature over plain: ``na3d`` eager, ``na3d_gpu`` by GPU
 time), the feature's ``args`` and ``launches`` (GPU kernels per call, counted with
@@ -757,11 +757,14 @@ def plot(rows: List[dict], path: str, title: str) -> None:
 # Features against the plain call (--features): each feature of the public call timed
 # beside na3d(q, k, v, kernel_size) on the same base shape, in the same process.
 
-# A base of its own (defined here, not in bench_shapes.json: bench_shapes() callers, the
-# tuner and the tests, do not pick it up), and an LTX shape; both have 8 heads.
+# Bases of their own (defined here, not in bench_shapes.json: bench_shapes() callers, the
+# tuner and the tests, do not pick them up), and an LTX shape; all have 8 heads. feature-hd128
+# is a video DiT's regime: head dim 128, a window of 1089 keys (sm90's dit_large_window bucket).
 FEATURE_BASE = {"name": "feature-base", "group": "features", "shape": [1, 24, 48, 64, 8, 64],
                 "kernel_size": [3, 5, 5]}
-FEATURE_BASE_NAMES = ("feature-base", "ltx-stage3")
+FEATURE_BASE_HD128 = {"name": "feature-hd128", "group": "features", "shape": [1, 24, 48, 64, 8, 128],
+                      "kernel_size": [9, 11, 11]}
+FEATURE_BASE_NAMES = ("feature-base", "ltx-stage3", "feature-hd128")
 
 # name -> the feature's arguments: na3d's keywords, and kv_heads (key and value sliced to
 # their first kv_heads heads, views, as a user passes them).
@@ -785,7 +788,8 @@ def feature_bases(names: Optional[List[str]] = None) -> List[dict]:
     """The base shapes of the feature rows (``FEATURE_BASE_NAMES``), or those named in
     ``names``; ValueError for another name."""
     known = {s["name"]: s for s in bench_shapes("ltx")}
-    known[FEATURE_BASE["name"]] = FEATURE_BASE
+    for base in (FEATURE_BASE, FEATURE_BASE_HD128):
+        known[base["name"]] = base
     return named_shapes([known[n] for n in FEATURE_BASE_NAMES], names, "feature base shapes")
 
 
@@ -1024,8 +1028,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "measured now replace its rows of the same name and pass, the others are kept")
     parser.add_argument("--features", action="store_true",
                         help="instead of the shape rows, time each feature (GQA 8 on 2 heads, MQA, dilation, "
-                             "causal, return_lse) against the plain call on the base shapes feature-base and "
-                             "ltx-stage3 (--shapes picks among them): rows feature-<name>/<base>, bwd rows too "
+                             "causal, return_lse) against the plain call on the base shapes feature-base, ltx-stage3 "
+                             "and feature-hd128 (--shapes picks among them): rows feature-<name>/<base>, bwd rows too "
                              "with --backward. Merged into the results file already at the output path (or "
                              "--merge's) whatever its commit: its other rows and fields are kept, each feature "
                              "row records its own commit. A run without --features (and without --merge) "
