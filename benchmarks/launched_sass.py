@@ -1,7 +1,7 @@
 """What a call launches on sm90, compiled here (no GPU needed), at any revision.
 
     python benchmarks/launched_sass.py ROOT --shape B T H W NH HD --kernel KT KH KW [--assume-finite] [--backward]
-        [--redo-in-program] [--dump DIR]
+        [--redo-in-program] [--dump DIR] [--kv-heads N]
 
 Imports ``na3d`` from ``ROOT/src`` (a checkout or ``git archive`` of any revision),
 makes its launchers believe the tensors sit on an sm90 GPU (the sm90 table, 132
@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--redo-in-program", action="store_true",
                         help="(trees that have it) every kernel in one launch, redoing flagged tiles in program")
     parser.add_argument("--dump", metavar="DIR", default=None, help="write each launch's SASS into DIR")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="grouped-query attention: k and v sliced to their first KV_HEADS heads (views, as "
+                             "the benchmark's features pass them; 1: MQA)")
     args = parser.parse_args()
 
     sys.path.insert(0, os.path.join(os.path.abspath(args.root), "src"))
@@ -97,6 +100,8 @@ def main() -> None:
 
     generator = torch.Generator().manual_seed(0)
     q, k, v, grad_out = (torch.randn(args.shape, generator=generator).to(torch.bfloat16) for _ in range(4))
+    if args.kv_heads is not None:
+        k, v = k[..., :args.kv_heads, :], v[..., :args.kv_heads, :]
     params = inspect.signature(launch.na3d_forward).parameters
     extra = {"assume_finite": True} if args.assume_finite and "assume_finite" in params else {}
     lse_flag = "return_lse" if "return_lse" in params else "need_lse"
