@@ -38,6 +38,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--dilation", type=int, nargs=3, default=None, help="call with this dilation")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="keys and values: the first this many heads (views, as the benchmark's GQA/MQA rows)")
     parser.add_argument("--assume-finite", action="store_true",
                         help="call with assume_finite=True (trees that have it): no check for inf/NaN")
     args = parser.parse_args(argv)
@@ -85,6 +87,8 @@ def time_shape(na3d, spec, timer, args) -> None:
     scale = shape[-1] ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    if args.kv_heads:
+        k, v = k[..., :args.kv_heads, :], v[..., :args.kv_heads, :]
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     extra = {"assume_finite": True} if args.assume_finite else {}
     if args.dilation:
@@ -99,7 +103,8 @@ def time_shape(na3d, spec, timer, args) -> None:
         return torch.autograd.grad(forward(), leaves, do)
 
     fwd = [timer(forward, min_runs=20, target_ms=300) for _ in range(args.repeats)]
-    name = spec["name"] + ("" if not args.dilation else "-d" + "".join(map(str, args.dilation)))
+    name = spec["name"] + ("" if not args.dilation else "-d" + "".join(map(str, args.dilation))) + (
+        "" if not args.kv_heads else f"-kv{args.kv_heads}")
     print(json.dumps({"tag": args.tag, "name": name, "pass": "fwd", "gpu_ms": statistics.median(fwd),
                       "runs": [round(t, 5) for t in fwd]}), flush=True)
     if args.no_backward:

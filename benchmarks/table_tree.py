@@ -4,8 +4,9 @@
         --set medium_window.backward.dq_maxnreg=128 [--set dependent_launch=true] [--arch sm90]
 
 Copies ``src`` to ``DEST/src`` (replacing it) and sets, in ``DEST/src/na3d/configs/<arch>.json``,
-each ``PATH=VALUE``: ``PATH`` a top-level key of the table, or a bucket's name followed by
-the keys inside its entry (created where missing); ``VALUE`` JSON. Run the tree with
+each ``PATH=VALUE``: ``PATH`` a top-level key of the table, or a bucket's name (``bucket/option``
+for one of its ``alternatives``, as ``configs`` names them: ``dit_large_window/deep_boxes``)
+followed by the keys inside its entry (created where missing); ``VALUE`` JSON. Run the tree with
 ``PYTHONPATH=DEST/src``. Earlier session scripts did the same with a heredoc each.
 """
 
@@ -31,6 +32,9 @@ def main() -> None:
     with open(path) as f:
         table = json.load(f)
     buckets = {entry["bucket"]: entry for entry in table["forward"]}
+    for entry in table["forward"]:
+        for option in entry.get("alternatives", []):
+            buckets[f"{entry['bucket']}/{option['name']}"] = option
     for edit in args.edits:
         keys, _, value = edit.partition("=")
         first, *rest = keys.split(".")

@@ -113,6 +113,10 @@ class BackwardConfig:
     kernel (full pairs: query boxes that see every key of the program's box);
     ``redo_in_program`` / ``dkdv_redo_in_program``: as ``ForwardConfig.redo_in_program``,
     for the dQ kernel / the dK/dV kernel (the fused backward's too).
+    ``dkdv_head_split``: with one key/value head (MQA), the two-kernel backward's dK/dV
+    programs per key box (a power of two; 1: one program for all query heads). Each
+    takes an equal share of the query heads and writes float32 partial dK/dV, which
+    are summed after: more, shorter programs. Other calls ignore it.
     """
     dq_q_tile: Triple
     dq_kv_tile: Triple
@@ -132,6 +136,7 @@ class BackwardConfig:
     dkdv_split_full: Optional[float] = None
     redo_in_program: bool = False
     dkdv_redo_in_program: bool = False
+    dkdv_head_split: int = 1
 
     @property
     def dkdv_warps(self) -> int:
@@ -150,6 +155,9 @@ class BackwardConfig:
         _check_maxnreg("dkdv_maxnreg", self.dkdv_maxnreg)
         _check_share("split_full", self.split_full)
         _check_share("dkdv_split_full", self.dkdv_split_full)
+        if not isinstance(self.dkdv_head_split, int) or self.dkdv_head_split < 1 or \
+                self.dkdv_head_split & (self.dkdv_head_split - 1):
+            raise ValueError(f"dkdv_head_split={self.dkdv_head_split!r} must be a power of two, 1 or more")
 
 
 @functools.lru_cache(maxsize=None)
@@ -458,7 +466,8 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
-    ``"split_full"``, ``"dkdv_split_full"``, ``"redo_in_program"``, ``"dkdv_redo_in_program"``.
+    ``"split_full"``, ``"dkdv_split_full"``, ``"redo_in_program"``, ``"dkdv_redo_in_program"``,
+    ``"dkdv_head_split"``.
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
     k_box = fit_tile(bwd["dkdv"][0], shape)
@@ -467,4 +476,5 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
                           bool(bwd.get("fixed_mask", True)), bwd.get("split_full"), bwd.get("dkdv_split_full"),
-                          bool(bwd.get("redo_in_program", False)), bool(bwd.get("dkdv_redo_in_program", False)))
+                          bool(bwd.get("redo_in_program", False)), bool(bwd.get("dkdv_redo_in_program", False)),
+                          int(bwd.get("dkdv_head_split", 1)))

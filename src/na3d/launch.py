@@ -483,11 +483,25 @@ def na3d_backward(
 
     use_tma = cfg.tma and tma_layout_ok(q, grad_out, dilation=dilation)
     descs = [tensor_descriptor(x, cfg.dkdv_q_tile, dilation) for x in (q, grad_out)] if use_tma else [q, grad_out]
+    split = math.gcd(cfg.dkdv_head_split, group) if k.shape[4] == 1 else 1
+    if split > 1:
+        # MQA: ``split`` programs per key box, each over group // split query heads. The
+        # kernel sees ``split`` key/value heads, the one head repeated (a stride-0 view),
+        # and writes each program's partial dK/dV in float32; their sum is the result.
+        k_heads, v_heads = (x.expand(B, T, H, W, split, HD) for x in (k, v))
+        dk_parts, dv_parts = (torch.empty((B, T, H, W, split, HD), dtype=torch.float32, device=q.device)
+                              for _ in range(2))
+        common = dict(common, GROUP=group // split)
+    else:
+        k_heads, v_heads, dk_parts, dv_parts = k, v, dk, dv
     dkdv_launch(na3d_bwd_dkdv_kernel, tile_grid((T, H, W), cfg.dkdv_k_tile, dilation), NH, B, cfg,
-                (q, k, v, grad_out, stats, dk, dv, dq, *descs, dq,  # dq: unused without ACCUMULATE_DQ
+                (q, k_heads, v_heads, grad_out, stats, dk_parts, dv_parts, dq, *descs, dq,  # dq: unused here
                  statistics_descriptor(stats, cfg.dkdv_q_tile, dilation) if use_tma else stats),
-                (q, k, v, grad_out, dk, dv), (T, H, W, KT, KH, KW, *stride), scale,
+                (q, k_heads, v_heads, grad_out, dk_parts, dv_parts), (T, H, W, KT, KH, KW, *stride), scale,
                 dict(ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, **common), assume_finite)
+    if split > 1:
+        dk.copy_(dk_parts.sum(4, keepdim=True))
+        dv.copy_(dv_parts.sum(4, keepdim=True))
     return dq, dk, dv
 
 

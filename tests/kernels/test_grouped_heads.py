@@ -89,3 +89,55 @@ def test_grouped_heads_keep_non_finite_keys_inside_their_windows(shape):
     for g, w in zip(got, want):
         finite = ~g.isnan()
         assert torch.equal(g[finite], w[finite])
+
+
+# MQA's dK/dV split over programs (``dkdv_head_split``): each program of a key box takes
+# an equal share of the query heads and writes float32 partial sums. Eight query heads
+# on one key/value head, split 2, 4 and 8 (one head a program), and a split larger than
+# the group (capped to it); three heads split 2 (gcd 1: no split). Against the oracle,
+# and against the unsplit kernel (the sums' order differs: close, not equal).
+SPLIT_CASES = [((1, 3, 4, 5, 8, 16), (3, 3, 5), 2), ((1, 3, 4, 5, 8, 16), (3, 3, 5), 8),
+               ((1, 3, 4, 5, 4, 16), (3, 3, 5), 16), ((1, 3, 5, 4, 3, 16), (2, 5, 3), 2),
+               ((2, 2, 4, 7, 8, 32), (2, 3, 3), 4)]
+
+
+@pytest.mark.parametrize("shape,kernel,split", slow_except(SPLIT_CASES, keep=(0, 2)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mqa_dkdv_split_over_programs(shape, kernel, split, dtype):
+    q, k, v = grouped(shape, 1, "contiguous", dtype, seed=sum(shape) + split)
+    grad_out = make_qkv(shape, dtype, device=DEVICE, seed=9)[0]
+    out, lse = launch.na3d_forward(q, k, v, kernel, 0.3, return_lse=True, config=FWD)
+    got, plain = (tuple(torch.full_like(t, float("nan")) for t in (q, k, v)) for _ in range(2))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=got,
+                         config=dataclasses.replace(BWD, dkdv_head_split=split))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, 0.3, grads=plain, config=BWD)
+    assert_grads_match_oracle(got, q, k, v, grad_out, kernel, 0.3, forward=(out, lse))
+    assert torch.equal(got[0], plain[0])  # dQ: another kernel, untouched
+
+
+def test_mqa_dkdv_split_keeps_non_finite_keys_inside_their_windows():
+    """A NaN key with the split: the dK/dV rows of keys whose query heads' windows see
+    a NaN score are NaN, every other element equals the split run with that key
+    zeroed, bit for bit (each partial program's second launch)."""
+    shape, kernel = (1, 3, 4, 5, 4, 16), (3, 3, 3)
+    q, k, v = grouped(shape, 1, "contiguous", torch.float32, seed=11)
+    grad_out = make_qkv(shape, torch.float32, device=DEVICE, seed=12)[0]
+    bad, clean = k.clone(), k.clone()
+    bad[0, 1, 2, 3, 0, 4], clean[0, 1, 2, 3, 0, 4] = float("nan"), 0.0
+    split = dataclasses.replace(BWD, dkdv_head_split=2)
+
+    def run(keys):
+        out, lse = launch.na3d_forward(q, keys, v, kernel, 0.3, return_lse=True, config=FWD)
+        return (out, *launch.na3d_backward(grad_out, q, keys, v, out, lse, kernel, 0.3, config=split))
+
+    got, want = run(bad), run(clean)
+    assert got[0].isnan().any() and got[2].isnan().any()
+    for g, w in zip(got, want):
+        finite = ~g.isnan()
+        assert torch.equal(g[finite], w[finite])
+
+
+def test_dkdv_head_split_is_validated():
+    for bad in (0, 3, -2, 2.0):
+        with pytest.raises(ValueError, match="dkdv_head_split"):
+            dataclasses.replace(BWD, dkdv_head_split=bad)

@@ -142,14 +142,15 @@ def test_backward_tuning_with_given_pairs_launches_and_the_fused_pass(monkeypatc
 
 
 def test_tuning_keeps_the_tables_splits(monkeypatch):
-    """A bucket's split_full / dkdv_split_full and redo_in_program /
-    dkdv_redo_in_program are not searched: every candidate runs with them (the times
-    are those of the kernels the table will run), and the entries written keep them."""
+    """A bucket's split_full / dkdv_split_full, redo_in_program /
+    dkdv_redo_in_program and dkdv_head_split are not searched: every candidate runs with
+    them (the times are those of the kernels the table will run), and the entries
+    written keep them."""
     entry, members = bucket_and_members((3, 5, 5))
     entry["split_full"] = 0.3
     entry["redo_in_program"] = True
     entry["backward"] = dict(entry["backward"], split_full=0.35, dkdv_split_full=0.4, redo_in_program=True,
-                             dkdv_redo_in_program=True)
+                             dkdv_redo_in_program=True, dkdv_head_split=2)
     seen = []
 
     def measure(spec, candidates, timer, device, budget):
@@ -170,7 +171,8 @@ def test_tuning_keeps_the_tables_splits(monkeypatch):
     backwards = [c for c in seen if isinstance(c, configs.BackwardConfig)]
     assert forwards and all(c.split_full == 0.3 and c.redo_in_program for c in forwards)
     assert backwards and all((c.split_full, c.dkdv_split_full) == (0.35, 0.4) for c in backwards)
-    assert all(c.redo_in_program and c.dkdv_redo_in_program for c in backwards)
+    assert all(c.redo_in_program and c.dkdv_redo_in_program and c.dkdv_head_split == 2 for c in backwards)
     assert entry["split_full"] == 0.3 and entry["redo_in_program"] is True
+    assert entry["backward"]["dkdv_head_split"] == 2
     assert (entry["backward"]["split_full"], entry["backward"]["dkdv_split_full"]) == (0.35, 0.4)
     assert entry["backward"]["redo_in_program"] is True and entry["backward"]["dkdv_redo_in_program"] is True

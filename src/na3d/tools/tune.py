@@ -225,6 +225,7 @@ def backward_key(cfg: configs.BackwardConfig) -> str:
                        **{name: getattr(cfg, name) for name in ("split_full", "dkdv_split_full")
                           if getattr(cfg, name) is not None},
                        **{name: True for name in ("redo_in_program", "dkdv_redo_in_program") if getattr(cfg, name)},
+                       **({"dkdv_head_split": cfg.dkdv_head_split} if cfg.dkdv_head_split != 1 else {}),
                        **({"fused": True} if cfg.fused else {})})
 
 
@@ -341,8 +342,8 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
 
     # Register caps, the descriptor flag, fixed_mask and the splits are kept as the table
     # states them (not searched here): every candidate runs with them, and the entry written keeps them.
-    caps = {name: bwd[name] for name in ("dq_maxnreg", "dkdv_maxnreg", "dkdv_split_full", "dkdv_redo_in_program")
-            if bwd and bwd.get(name) is not None}
+    caps = {name: bwd[name] for name in ("dq_maxnreg", "dkdv_maxnreg", "dkdv_split_full", "dkdv_redo_in_program",
+                                         "dkdv_head_split") if bwd and bwd.get(name) is not None}
     caps["tma"] = bool((bwd or entry).get("tma", True))
     if not (bwd or entry).get("fixed_mask", True):
         caps["fixed_mask"] = False
