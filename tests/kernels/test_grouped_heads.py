@@ -94,8 +94,9 @@ def test_grouped_heads_keep_non_finite_keys_inside_their_windows(shape):
 # MQA's dK/dV split over programs (``dkdv_head_split``): each program of a key box takes
 # an equal share of the query heads and writes float32 partial sums. Eight query heads
 # on one key/value head, split 2, 4 and 8 (one head a program), and a split larger than
-# the group (capped to it); three heads split 2 (gcd 1: no split). Against the oracle,
-# and against the unsplit kernel (the sums' order differs: close, not equal).
+# the group (capped to it); three heads split 2 (gcd 1: no split). dK/dV against the
+# oracle (their sums run in another order than the unsplit kernel's: close, not equal to
+# it), dQ (another kernel) bit for bit the unsplit run's.
 SPLIT_CASES = [((1, 3, 4, 5, 8, 16), (3, 3, 5), 2), ((1, 3, 4, 5, 8, 16), (3, 3, 5), 8),
                ((1, 3, 4, 5, 4, 16), (3, 3, 5), 16), ((1, 3, 5, 4, 3, 16), (2, 5, 3), 2),
                ((2, 2, 4, 7, 8, 32), (2, 3, 3), 4)]
