@@ -346,3 +346,24 @@ def issued_flops_ratio(
         issued *= tile_key_pairs_1d(L, K, qt, kt, c, s)
         useful *= useful_pairs_1d(L, K, c)
     return issued / useful
+
+
+def dkdv_issued_flops_ratio(
+    shape: Sequence[int],
+    kernel_size: Sequence[int],
+    k_tile: Sequence[int],
+    q_tile: Sequence[int],
+    is_causal: Sequence[bool] = (False, False, False),
+    stride: Sequence[int] = (1, 1, 1),
+) -> float:
+    """:func:`issued_flops_ratio` for the dK/dV kernel: boxes of ``k_tile`` keys, each
+    scanning the queries that see it (:func:`query_scans_1d`) in boxes of ``q_tile``.
+    Not the forward's count with the boxes swapped: there query boxes sit on a fixed
+    grid and scan from their union's start; here the key boxes do, and the scan starts
+    at the first query that sees the box."""
+    issued = 1.0
+    useful = 1.0
+    for L, K, kt, qt, c, s in zip(shape, kernel_size, k_tile, q_tile, is_causal, stride):
+        issued *= sum(kt * len(steps) * qt for _, steps in query_scans_1d(L, K, kt, qt, c, s))
+        useful *= useful_pairs_1d(L, K, c)
+    return issued / useful
