@@ -6,9 +6,10 @@ measurement functions are replaced by ones that time the candidates as a test sa
 
 import argparse
 
+import pytest
 import torch
 
-from na3d import configs
+from na3d import configs, geometry
 from na3d.tools import tune
 from na3d.tools.common import Timer, bench_shapes
 
@@ -104,6 +105,19 @@ def test_backward_tuning_picks_dq_then_dkdv(monkeypatch):
         assert chosen["measured"][s["name"]] == {"ms": 0.25, "best_ms": 0.25, "before_ms": 1.0,
                                                  "timing": "eager, L2 flushed"}
     assert set(results) == {s["name"] + step for s in members for step in ("/dq", "/dkdv")}
+
+
+def test_dkdv_candidates_are_ranked_by_the_dkdv_kernels_count():
+    """dK/dV's candidates are (key box, query box) pairs ranked by the products that
+    kernel issues; its best pair on dit-wan's grid is not among the forward's pairs."""
+    grid, kernel = (21, 30, 52), (9, 15, 15)
+    pairs = tune.dkdv_tile_candidates(grid, kernel, top=4)
+    ratios = [geometry.dkdv_issued_flops_ratio(grid, kernel, k, q) for k, q in pairs[:4]]
+    assert ratios == sorted(ratios)
+    best = min(geometry.dkdv_issued_flops_ratio(grid, kernel, k, q) for k, q in pairs)
+    assert best == pytest.approx(ratios[0]) and best < geometry.dkdv_issued_flops_ratio(grid, kernel, (4, 4, 8),
+                                                                                          (2, 4, 8))
+    assert pairs[0] not in tune.tile_candidates(grid, kernel, top=4)
 
 
 def test_tile_pairs_from_the_command_line():
