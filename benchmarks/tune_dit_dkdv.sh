@@ -15,6 +15,8 @@
 #   4x4x8/2x4x8, 8, 1:             1.525, 255, 1, 863, 13
 #   4x4x8/8x4x1, 8, 1:             1.412, 255, 1, 545, 0 (32-query boxes: half the products per step)
 #   2x8x8/1x8x8, 8, 1:             1.548, 255, 1, 907, 5
+# (Those "products issued per useful one" are the forward's count with the boxes swapped; the dK/dV kernel
+# issues 1.669 with both the table's pair and 4x4x8/2x4x8: NOTES v48.)
 # Prediction: 4x4x8/2x4x8 on 8 warps and 2 stages about 15 % faster dK/dV than the table's (14 % fewer
 # products, no spills, the same instructions per product), the backward about 8 % (179 -> ~165 ms).
 set -u
