@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from na3d import geometry
 from na3d.tools import bench, peers
 from na3d.tools.common import Timer, bench_shapes
 
@@ -172,6 +173,11 @@ def test_rows_time_a_peer_like_na3d(monkeypatch):
     assert bwd["natten_hopper_config"] == peers.config_json(dict(forward_configs[1], **backward_configs[0]))
     assert bwd["natten_hopper_max_abs_err"] == bwd["max_abs_err"]
     assert bwd["skipped"] == {"comfy_cuda": "forward only"}
+    # Each backward kernel's issued products, counted as it scans (dK/dV from its key boxes).
+    dq_box, dkdv_box = bwd["config"]["dq"], bwd["config"]["dkdv"]
+    assert bwd["flops_issued_ratio"] == {
+        "dq": round(geometry.issued_flops_ratio((2, 3, 4), (1, 3, 3), *dq_box), 3),
+        "dkdv": round(geometry.dkdv_issued_flops_ratio((2, 3, 4), (1, 3, 3), *dkdv_box), 3)}
     bench.add_bwd_over_fwd(bwd, fwd)
     assert set(bwd["fwd_plus_bwd"]["ms"]) == {"na3d", "natten_hopper"}
 
