@@ -2,7 +2,7 @@
 # One device call (under 10 minutes), NOTES v48: dK/dV boxes chosen by the dK/dV kernel's own product count.
 # The tables' dK/dV pairs were tuned from candidates ranked by the forward's count with the two boxes swapped
 # (tile_candidates), and the compile screens of v40-v45 counted them that way too; the kernel's own count
-# (geometry.dkdv_issued_flops_ratio: key boxes on a fixed grid, each scanning from the first query that sees
+# (geometry.issued_flops_ratio(..., own="keys"): key boxes on a fixed grid, each scanning from the first query that sees
 # it) differs, and finds pairs of the same box sizes (so the same kind of step) with fewer products.
 # Compiled for sm90 here (launched_sass.py; dK/dV key loop instructions per step, local accesses per step;
 # products issued per useful one, table -> candidate):

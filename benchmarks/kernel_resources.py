@@ -86,7 +86,7 @@ def rows_for(name, shape, kernel_size, causal=(False,) * 3, dilation=(1, 1, 1), 
         if pas == "dkdv":
             tiles = dict(K_T=box[0], K_H=box[1], K_W=box[2], Q_T=scanned[0], Q_H=scanned[1], Q_W=scanned[2])
             # dK/dV: key boxes on a fixed grid, each scanning the queries that see it.
-            issued = geometry.dkdv_issued_flops_ratio(grid, kernel_size, box, scanned)
+            issued = geometry.issued_flops_ratio(grid, kernel_size, box, scanned, own="keys")
         else:
             tiles = dict(Q_T=box[0], Q_H=box[1], Q_W=box[2], KV_T=scanned[0], KV_H=scanned[1], KV_W=scanned[2])
             issued = geometry.issued_flops_ratio(grid, kernel_size, box, scanned)

@@ -99,7 +99,7 @@ def test_issued_flops_ratio_counts_padded_work():
     assert geometry.issued_flops_ratio(shape, kernel, qt, kt) == pytest.approx(issued / useful)
 
 
-def test_dkdv_issued_flops_ratio_counts_the_key_boxes_scans():
+def test_issued_flops_ratio_of_key_boxes_counts_their_scans():
     """dK/dV: key boxes on a fixed grid, each scanning, from the first query that sees
     it, in query boxes (brute force over every query-key pair), which is not the
     forward's count with the two boxes swapped."""
@@ -113,12 +113,14 @@ def test_dkdv_issued_flops_ratio_counts_the_key_boxes_scans():
             total += a * b * -(-(seeing[-1] + 1 - seeing[0]) // b)
         issued *= total
     useful = 5 * 6 * 7 * 3 * 3 * 5
-    assert geometry.dkdv_issued_flops_ratio(shape, kernel, kt, qt) == pytest.approx(issued / useful)
+    assert geometry.issued_flops_ratio(shape, kernel, kt, qt, own="keys") == pytest.approx(issued / useful)
     # The dit-wan grid with the table's dK/dV boxes (4x4x8 keys, 2x4x8 queries): the forward's count
     # with the boxes swapped says 2.79, the kernel issues 3.10.
     assert geometry.issued_flops_ratio((21, 30, 52), (9, 15, 15), (2, 4, 8), (4, 4, 8)) == pytest.approx(2.79, abs=0.01)
-    assert geometry.dkdv_issued_flops_ratio((21, 30, 52), (9, 15, 15), (4, 4, 8), (2, 4, 8)) == pytest.approx(
-        3.10, abs=0.01)
+    assert geometry.issued_flops_ratio((21, 30, 52), (9, 15, 15), (4, 4, 8), (2, 4, 8), own="keys") == \
+        pytest.approx(3.10, abs=0.01)
+    with pytest.raises(ValueError, match="own"):
+        geometry.issued_flops_ratio(shape, kernel, kt, qt, own="values")
 
 
 def test_causal_scans_cover_no_more_than_centered_ones():

@@ -334,36 +334,26 @@ def useful_pairs_1d(length: int, kernel_size: int, is_causal: bool = False) -> i
 def issued_flops_ratio(
     shape: Sequence[int],
     kernel_size: Sequence[int],
-    q_tile: Sequence[int],
-    kv_tile: Sequence[int],
+    box: Sequence[int],
+    scanned_box: Sequence[int],
     is_causal: Sequence[bool] = (False, False, False),
     stride: Sequence[int] = (1, 1, 1),
+    own: str = "queries",
 ) -> float:
-    """Ratio of QK^T (and PV) products issued by a box-tiled kernel to useful ones."""
+    """Ratio of QK^T (and PV) products issued by a box-tiled kernel to useful ones.
+
+    ``own="queries"`` (the forward, dQ): boxes of ``box`` queries on a fixed grid,
+    each scanning its union of windows from the union's start in boxes of
+    ``scanned_box`` keys (:func:`key_scans_1d`). ``own="keys"`` (dK/dV): boxes of
+    ``box`` keys, each scanning the queries that see it from the first of them in
+    boxes of ``scanned_box`` queries (:func:`query_scans_1d`). The two counts differ:
+    the dK/dV kernel's is not the forward's with the boxes swapped."""
+    if own not in ("queries", "keys"):
+        raise ValueError(f"own must be 'queries' or 'keys', got {own!r}")
+    scans = key_scans_1d if own == "queries" else query_scans_1d
     issued = 1.0
     useful = 1.0
-    for L, K, qt, kt, c, s in zip(shape, kernel_size, q_tile, kv_tile, is_causal, stride):
-        issued *= tile_key_pairs_1d(L, K, qt, kt, c, s)
-        useful *= useful_pairs_1d(L, K, c)
-    return issued / useful
-
-
-def dkdv_issued_flops_ratio(
-    shape: Sequence[int],
-    kernel_size: Sequence[int],
-    k_tile: Sequence[int],
-    q_tile: Sequence[int],
-    is_causal: Sequence[bool] = (False, False, False),
-    stride: Sequence[int] = (1, 1, 1),
-) -> float:
-    """:func:`issued_flops_ratio` for the dK/dV kernel: boxes of ``k_tile`` keys, each
-    scanning the queries that see it (:func:`query_scans_1d`) in boxes of ``q_tile``.
-    Not the forward's count with the boxes swapped: there query boxes sit on a fixed
-    grid and scan from their union's start; here the key boxes do, and the scan starts
-    at the first query that sees the box."""
-    issued = 1.0
-    useful = 1.0
-    for L, K, kt, qt, c, s in zip(shape, kernel_size, k_tile, q_tile, is_causal, stride):
-        issued *= sum(kt * len(steps) * qt for _, steps in query_scans_1d(L, K, kt, qt, c, s))
+    for L, K, b, sb, c, s in zip(shape, kernel_size, box, scanned_box, is_causal, stride):
+        issued *= sum(b * len(steps) * sb for _, steps in scans(L, K, b, sb, c, s))
         useful *= useful_pairs_1d(L, K, c)
     return issued / useful

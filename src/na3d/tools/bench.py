@@ -463,11 +463,11 @@ def backward_row(spec: dict, timer: Timer, ceilings: Dict[str, float], device, m
                       "dkdv_num_warps": cfg.dkdv_warps, "dkdv_num_stages": cfg.dkdv_stages,
                       "fused": cfg.fused, "bucket": cfg.bucket},
            # Products issued per useful one by each kernel, counted as each scans (dQ as the
-           # forward; dK/dV from its key boxes: geometry.dkdv_issued_flops_ratio).
+           # forward; dK/dV from its key boxes: own="keys").
            "flops_issued_ratio": {
                "dq": round(geometry.issued_flops_ratio((T, H, W), ks, cfg.dq_q_tile, cfg.dq_kv_tile, stride=stride), 3),
-               "dkdv": round(geometry.dkdv_issued_flops_ratio((T, H, W), ks, cfg.dkdv_k_tile, cfg.dkdv_q_tile,
-                                                              stride=stride), 3)},
+               "dkdv": round(geometry.issued_flops_ratio((T, H, W), ks, cfg.dkdv_k_tile, cfg.dkdv_q_tile,
+                                                         stride=stride, own="keys"), 3)},
            "full_products_share": {
                "dq": round(geometry.full_products_share((T, H, W), ks, cfg.dq_q_tile, cfg.dq_kv_tile, stride=stride), 3),
                "dkdv": round(geometry.full_products_share((T, H, W), ks, cfg.dkdv_k_tile, cfg.dkdv_q_tile,

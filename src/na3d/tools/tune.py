@@ -10,7 +10,7 @@
 
 Candidates per shape are the tile pairs that issue the fewest QK^T products
 (``geometry.issued_flops_ratio``; dK/dV's by its own count,
-``geometry.dkdv_issued_flops_ratio``), each with a few warp/stage settings. Every
+``geometry.issued_flops_ratio(..., own="keys")``), each with a few warp/stage settings. Every
 candidate is first checked (outputs poisoned with NaN before the launch): the
 forward against the exact reference, the backward against the float32 kernels'
 gradients (themselves tested against the float64 oracle), with a tolerance of
@@ -25,6 +25,7 @@ Nothing here runs at call time: the library only reads the JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -95,10 +96,10 @@ def tile_candidates(shape, kernel, top: int, issued=geometry.issued_flops_ratio)
 
 def dkdv_tile_candidates(shape, kernel, top: int) -> List[Tuple[tuple, tuple]]:
     """dK/dV's candidates ``(key box, query box)``, ranked by the products that kernel
-    issues (``geometry.dkdv_issued_flops_ratio``), not by the forward's count of the
+    issues (``geometry.issued_flops_ratio(..., own="keys")``), not by the forward's count of the
     swapped pair: the two differ (on dit-wan the table's 4x4x8/2x4x8 issues 3.10 per
     useful product where the swapped count says 2.79; NOTES v48)."""
-    return tile_candidates(shape, kernel, top, geometry.dkdv_issued_flops_ratio)
+    return tile_candidates(shape, kernel, top, functools.partial(geometry.issued_flops_ratio, own="keys"))
 
 
 def tile_pair(text: str) -> Tuple[tuple, tuple]:
