@@ -73,6 +73,36 @@ def test_a_backward_entry_narrowed_by_its_own_condition(monkeypatch):
         configs.forward_config.cache_clear(), configs.backward_config.cache_clear()
 
 
+def test_dkdv_alternatives_chosen_by_the_dkdv_kernels_products():
+    # A backward entry's dK/dV pairs: the first, or a later one that issues at least
+    # 5 % fewer dK/dV products on the call's grid (NOTES v49). sm90's head-dim-128
+    # large window: dit-wan's grid takes 4x8x4/2x8x4 (2.73 products per useful one
+    # against 3.10), dit-hunyuan's keeps 4x4x8/2x4x8 (1.67; the other issues 1.72).
+    # The medium window: edge-wide takes 1x8x8/2x8x4, dit-small-window 2x8x4/2x2x16.
+    from na3d import configs, geometry
+
+    def dkdv(shape, kernel, head_dim):
+        bwd = configs.backward_config("sm90", shape, kernel, head_dim, torch.bfloat16)
+        return bwd.dkdv_k_tile, bwd.dkdv_q_tile
+
+    assert dkdv((21, 30, 52), (9, 15, 15), 128) == ((4, 8, 4), (2, 8, 4))
+    assert dkdv((30, 48, 80), (18, 24, 24), 128) == ((4, 4, 8), (2, 4, 8))
+    assert dkdv((4, 8, 128), (3, 5, 27), 64) == ((1, 8, 8), (2, 8, 4))
+    assert dkdv((30, 48, 80), (5, 11, 11), 128) == ((2, 8, 4), (2, 2, 16))
+    entry = {"dq": [[2, 4, 8], [4, 4, 4]], "dkdv": [[1, 4, 16], [2, 2, 16]], "num_warps": 4, "num_stages": 1,
+             "dkdv_alternatives": [[[2, 8, 4], [2, 2, 16]], [[1, 8, 8], [2, 8, 4]]]}
+    for shape, kernel in (((24, 48, 64), (5, 11, 11)), ((4, 8, 128), (3, 5, 27)), ((7, 9, 40), (3, 5, 27))):
+        bwd = configs.fit_backward(entry, shape, kernel)
+        want, best = None, None
+        for k_box, q_box in [entry["dkdv"], *entry["dkdv_alternatives"]]:
+            k_box = configs.fit_tile(k_box, shape)
+            q_box = configs.fit_tile(q_box, [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel)])
+            ratio = geometry.issued_flops_ratio(shape, kernel, k_box, q_box, own="keys")
+            if best is None or ratio < configs.ALTERNATIVE_MARGIN * best:
+                want, best = (k_box, q_box), ratio
+        assert (bwd.dkdv_k_tile, bwd.dkdv_q_tile) == want, shape
+
+
 def test_bucket_alternatives_chosen_by_issued_products():
     # The 11x11x11 bucket's alternatives replace the option before them only where
     # the T borders make them issue at least 5 % fewer products: boxes 8 frames deep
@@ -87,7 +117,7 @@ def test_bucket_alternatives_chosen_by_issued_products():
     assert small.bucket == "large_window/whole_clip"
     assert (small.q_tile, small.kv_tile, small.maxnreg) == ((16, 2, 2), (16, 4, 2), 168)
     bwd = configs.backward_config("sm90", (16, 80, 32), kernel, 64, torch.bfloat16)
-    assert (bwd.dq_q_tile, bwd.dq_kv_tile, bwd.dkdv_k_tile) == ((8, 4, 2), (1, 16, 4), (4, 4, 4))
+    assert (bwd.dq_q_tile, bwd.dq_kv_tile, bwd.dkdv_k_tile) == ((16, 2, 2), (16, 4, 1), (16, 2, 2))
     assert (bwd.dq_maxnreg, bwd.dkdv_maxnreg, bwd.dkdv_stages) == (128, 168, 3)
     # Head dims above 64 have a bucket of their own (the video-DiT regime), with the
     # deep boxes too, and a backward without register caps, dK/dV in one stage.

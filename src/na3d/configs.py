@@ -438,16 +438,17 @@ def backward_config(arch: str, shape: Triple, kernel_size: Triple, head_dim: int
                 entry = option if "backward" in option else dict(option, backward=candidate.get("backward"))
     bwd = entry.get("backward")
     if bwd is not None and not matches(bwd.get("when", {}), head_dim, kernel_size, dtype):
-        return _later_backward(table, fwd.bucket.split("/")[0], shape, kernel_size, head_dim, dtype)
+        return _later_backward(table, fwd.bucket.split("/")[0], shape, kernel_size, head_dim, dtype, stride, is_causal)
     if bwd is None:
         return BackwardConfig(fwd.q_tile, fwd.kv_tile, fwd.q_tile, fwd.kv_tile, fwd.num_warps,
                               max(1, fwd.num_stages - 1), fwd.bucket, tma=fwd.tma, fixed_mask=fwd.fixed_mask,
                               split_full=fwd.split_full, redo_in_program=fwd.redo_in_program)
-    return fit_backward(bwd, shape, kernel_size, fwd.bucket)
+    return fit_backward(bwd, shape, kernel_size, fwd.bucket, stride, is_causal)
 
 
 def _later_backward(table: Dict, bucket: str, shape: Triple, kernel_size: Triple, head_dim: int,
-                    dtype: torch.dtype) -> BackwardConfig:
+                    dtype: torch.dtype, stride: Triple = (1, 1, 1),
+                    is_causal: Tuple[bool, bool, bool] = (False, False, False)) -> BackwardConfig:
     """The ``backward`` entry of the first bucket after ``bucket`` in ``table`` whose
     ``when`` and whose backward's ``when`` hold for the call, fitted to ``shape``."""
     names = [entry["bucket"] for entry in table["forward"]]
@@ -455,26 +456,50 @@ def _later_backward(table: Dict, bucket: str, shape: Triple, kernel_size: Triple
         bwd = entry.get("backward")
         if (bwd is not None and matches(entry.get("when", {}), head_dim, kernel_size, dtype)
                 and matches(bwd.get("when", {}), head_dim, kernel_size, dtype)):
-            return fit_backward(bwd, shape, kernel_size, entry["bucket"])
+            return fit_backward(bwd, shape, kernel_size, entry["bucket"], stride, is_causal)
     raise ValueError(f"config table: the backward of bucket {bucket!r} does not hold for head_dim={head_dim}, "
                      f"kernel_size={tuple(kernel_size)}, dtype={dtype}, and no later bucket's backward does")
 
 
-def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "explicit") -> BackwardConfig:
+def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "explicit", stride: Triple = (1, 1, 1),
+                 is_causal: Tuple[bool, bool, bool] = (False, False, False)) -> BackwardConfig:
     """A table's ``backward`` entry, its tiles fitted to ``shape`` (see :func:`fit_tile`).
 
     ``bwd``: ``{"dq": [query box, key box], "dkdv": [key box, query box],
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
     ``"split_full"``, ``"dkdv_split_full"``, ``"redo_in_program"``, ``"dkdv_redo_in_program"``,
-    ``"dkdv_head_split"``.
+    ``"dkdv_head_split"``, ``"dkdv_alternatives"``.
+
+    ``"dkdv_alternatives"``: more ``[key box, query box]`` pairs for the same dK/dV
+    kernel settings. The call takes the pair that issues the fewest dK/dV products
+    on its grid (``geometry.issued_flops_ratio(..., own="keys")``, after fitting),
+    an alternative only where it issues at least 5 % fewer than the pair before
+    (``ALTERNATIVE_MARGIN``): which pair of the same box sizes wastes least depends
+    on how the grid's borders cut the windows (NOTES v49: on the head-dim-128 large
+    window, dit-wan's grid favours 4x8x4/2x8x4, dit-hunyuan's the 4x4x8/2x4x8 pair).
     """
     dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
-    k_box = fit_tile(bwd["dkdv"][0], shape)
-    q_box = fit_tile(bwd["dkdv"][1], [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
+    k_box, q_box = _fewest_dkdv_products([bwd["dkdv"], *bwd.get("dkdv_alternatives", ())], shape, kernel_size,
+                                         stride, is_causal)
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
                           bool(bwd.get("fixed_mask", True)), bwd.get("split_full"), bwd.get("dkdv_split_full"),
                           bool(bwd.get("redo_in_program", False)), bool(bwd.get("dkdv_redo_in_program", False)),
                           int(bwd.get("dkdv_head_split", 1)))
+
+
+def _fewest_dkdv_products(pairs: Sequence, shape: Triple, kernel_size: Triple, stride: Triple,
+                          is_causal: Tuple[bool, bool, bool]) -> Tuple[Triple, Triple]:
+    """Of dK/dV's ``[key box, query box]`` pairs, each fitted to ``shape`` (query boxes
+    no larger than the queries that see a key box), the first, or a later one that
+    issues ``ALTERNATIVE_MARGIN`` times fewer products than the best before it."""
+    best = None
+    for key_box, query_box in pairs:
+        k_box = fit_tile(key_box, shape)
+        q_box = fit_tile(query_box, [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
+        ratio = geometry.issued_flops_ratio(shape, kernel_size, k_box, q_box, is_causal, stride, own="keys")
+        if best is None or ratio < ALTERNATIVE_MARGIN * best[0]:
+            best = (ratio, k_box, q_box)
+    return best[1], best[2]

@@ -235,6 +235,15 @@ def compile_all(arch, first_only=False, core=False):
                                  dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
                                       SPLIT_FULL=True, **dual, **dil, **PLAIN_MASKS),
                                  dkdv_warps, dkdv_stages, dkdv_cap), "split dK/dV")
+            # A backward's other dK/dV pairs, which configs.fit_backward takes per call (slow run).
+            for alt_k, alt_q in (bwd or {}).get("dkdv_alternatives", ()) if not core else ():
+                alt = fits(compile_for(na3d_bwd_dkdv_kernel, target,
+                                       dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
+                                            SPLIT_FULL=dkdv_split, K_T=alt_k[0], K_H=alt_k[1], K_W=alt_k[2],
+                                            Q_T=alt_q[0], Q_H=alt_q[1], Q_W=alt_q[2], **dil, **dkdv_masks),
+                                       dkdv_warps, dkdv_stages, dkdv_cap), f"dK/dV {alt_k}/{alt_q}")
+                alt_instruction = product_instruction(arch, alt_k[0] * alt_k[1] * alt_k[2], dkdv_warps)
+                assert alt_instruction in alt.asm[asm], f"{arch} {bucket}: dK/dV {alt_k}/{alt_q} has no {alt_instruction}"
             # The one-pass backward runs only where a table selects it (``fused``): it must
             # fit there; elsewhere it must compile (an explicit config may select it, and a
             # launch that does not fit fails with Triton's out-of-resources error).
