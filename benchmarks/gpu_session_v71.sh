@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env71.txt
 echo "=== backward GPU tests on this tree"
 timeout 240 env PYTHONPATH=src python3 -m pytest -q -m "" -n 4 -p no:cacheprovider \
-  -k "benchmark_shapes or dit_regime" tests/kernels/test_backward.py tests/kernels/test_head_dim_128_table.py \
+  -k "benchmark_shapes or dit_regime or head_dim_128" tests/kernels/test_backward.py tests/kernels/test_head_dim_128_table.py \
   > $OUT/gpu_tests71.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; tail -3 $OUT/gpu_tests71.log
 python3 benchmarks/table_tree.py /tmp/t5 --set "small_window.backward.dq=[[2,4,8],[4,1,16]]" \
