@@ -73,9 +73,9 @@ def test_a_backward_entry_narrowed_by_its_own_condition(monkeypatch):
         configs.forward_config.cache_clear(), configs.backward_config.cache_clear()
 
 
-def test_dkdv_alternatives_chosen_by_the_dkdv_kernels_products():
-    # A backward entry's dK/dV pairs: the first, or a later one that issues at least
-    # 5 % fewer dK/dV products on the call's grid (NOTES v49). sm90's head-dim-128
+def test_backward_alternatives_chosen_by_each_kernels_products():
+    # A backward entry's dQ and dK/dV pairs: the first, or a later one that issues at
+    # least 5 % fewer of that kernel's products on the call's grid (NOTES v49). sm90's head-dim-128
     # large window: dit-wan's grid takes 4x8x4/2x8x4 (2.73 products per useful one
     # against 3.10), dit-hunyuan's keeps 4x4x8/2x4x8 (1.67; the other issues 1.72).
     # The medium window: edge-wide takes 1x8x8/2x8x4, dit-small-window 2x8x4/2x2x16.
@@ -90,7 +90,8 @@ def test_dkdv_alternatives_chosen_by_the_dkdv_kernels_products():
     assert dkdv((4, 8, 128), (3, 5, 27), 64) == ((1, 8, 8), (2, 8, 4))
     assert dkdv((30, 48, 80), (5, 11, 11), 128) == ((2, 8, 4), (2, 2, 16))
     entry = {"dq": [[2, 4, 8], [4, 4, 4]], "dkdv": [[1, 4, 16], [2, 2, 16]], "num_warps": 4, "num_stages": 1,
-             "dkdv_alternatives": [[[2, 8, 4], [2, 2, 16]], [[1, 8, 8], [2, 8, 4]]]}
+             "dkdv_alternatives": [[[2, 8, 4], [2, 2, 16]], [[1, 8, 8], [2, 8, 4]]],
+             "dq_alternatives": [[[2, 8, 4], [1, 2, 16]], [[4, 4, 4], [1, 8, 8]]]}
     for shape, kernel in (((24, 48, 64), (5, 11, 11)), ((4, 8, 128), (3, 5, 27)), ((7, 9, 40), (3, 5, 27))):
         bwd = configs.fit_backward(entry, shape, kernel)
         want, best = None, None
@@ -101,6 +102,13 @@ def test_dkdv_alternatives_chosen_by_the_dkdv_kernels_products():
             if best is None or ratio < configs.ALTERNATIVE_MARGIN * best:
                 want, best = (k_box, q_box), ratio
         assert (bwd.dkdv_k_tile, bwd.dkdv_q_tile) == want, shape
+        want, best = None, None
+        for q_box, k_box in [entry["dq"], *entry["dq_alternatives"]]:
+            q_box, k_box = configs.fitted_tiles(q_box, k_box, shape, kernel)
+            ratio = geometry.issued_flops_ratio(shape, kernel, q_box, k_box)
+            if best is None or ratio < configs.ALTERNATIVE_MARGIN * best:
+                want, best = (q_box, k_box), ratio
+        assert (bwd.dq_q_tile, bwd.dq_kv_tile) == want, shape
 
 
 def test_bucket_alternatives_chosen_by_issued_products():

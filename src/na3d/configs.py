@@ -469,19 +469,21 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
     "num_warps", "num_stages"}`` and optionally ``"dkdv_num_warps"``,
     ``"dkdv_num_stages"``, ``"fused"``, ``"tma"``, ``"dq_maxnreg"``, ``"dkdv_maxnreg"``, ``"fixed_mask"``,
     ``"split_full"``, ``"dkdv_split_full"``, ``"redo_in_program"``, ``"dkdv_redo_in_program"``,
-    ``"dkdv_head_split"``, ``"dkdv_alternatives"``.
+    ``"dkdv_head_split"``, ``"dq_alternatives"``, ``"dkdv_alternatives"``.
 
-    ``"dkdv_alternatives"``: more ``[key box, query box]`` pairs for the same dK/dV
-    kernel settings. The call takes the pair that issues the fewest dK/dV products
-    on its grid (``geometry.issued_flops_ratio(..., own="keys")``, after fitting),
-    an alternative only where it issues at least 5 % fewer than the pair before
-    (``ALTERNATIVE_MARGIN``): which pair of the same box sizes wastes least depends
-    on how the grid's borders cut the windows (NOTES v49: on the head-dim-128 large
-    window, dit-wan's grid favours 4x8x4/2x8x4, dit-hunyuan's the 4x4x8/2x4x8 pair).
+    ``"dq_alternatives"`` / ``"dkdv_alternatives"``: more box pairs (``[query box, key
+    box]`` / ``[key box, query box]``) for the same kernel settings. The call takes
+    the pair that issues the fewest of that kernel's products on its grid
+    (``geometry.issued_flops_ratio``, dK/dV with ``own="keys"``, after fitting), an
+    alternative only where it issues at least 5 % fewer than the pair before
+    (``ALTERNATIVE_MARGIN``): which pair of the same box sizes wastes least depends on
+    how the grid's borders cut the windows (NOTES v49: on the head-dim-128 large
+    window, dit-wan's grid favours the dK/dV pair 4x8x4/2x8x4, dit-hunyuan's 4x4x8/2x4x8).
     """
-    dq_q, dq_kv = fitted_tiles(bwd["dq"][0], bwd["dq"][1], shape, kernel_size)
-    k_box, q_box = _fewest_dkdv_products([bwd["dkdv"], *bwd.get("dkdv_alternatives", ())], shape, kernel_size,
-                                         stride, is_causal)
+    dq_q, dq_kv = _fewest_products("queries", [bwd["dq"], *bwd.get("dq_alternatives", ())], shape, kernel_size,
+                                   stride, is_causal)
+    k_box, q_box = _fewest_products("keys", [bwd["dkdv"], *bwd.get("dkdv_alternatives", ())], shape, kernel_size,
+                                    stride, is_causal)
     return BackwardConfig(dq_q, dq_kv, k_box, q_box, bwd["num_warps"], bwd["num_stages"], bucket,
                           bwd.get("dkdv_num_warps"), bwd.get("dkdv_num_stages"), bool(bwd.get("fused", False)),
                           bool(bwd.get("tma", True)), bwd.get("dq_maxnreg"), bwd.get("dkdv_maxnreg"),
@@ -490,16 +492,19 @@ def fit_backward(bwd: Dict, shape: Triple, kernel_size: Triple, bucket: str = "e
                           int(bwd.get("dkdv_head_split", 1)))
 
 
-def _fewest_dkdv_products(pairs: Sequence, shape: Triple, kernel_size: Triple, stride: Triple,
-                          is_causal: Tuple[bool, bool, bool]) -> Tuple[Triple, Triple]:
-    """Of dK/dV's ``[key box, query box]`` pairs, each fitted to ``shape`` (query boxes
-    no larger than the queries that see a key box), the first, or a later one that
-    issues ``ALTERNATIVE_MARGIN`` times fewer products than the best before it."""
+def _fewest_products(own: str, pairs: Sequence, shape: Triple, kernel_size: Triple, stride: Triple,
+                     is_causal: Tuple[bool, bool, bool]) -> Tuple[Triple, Triple]:
+    """Of one backward kernel's ``[program box, scanned box]`` pairs (``own``: ``"queries"``
+    for dQ, ``"keys"`` for dK/dV), each fitted to ``shape``, the first, or a later one
+    that issues ``ALTERNATIVE_MARGIN`` times fewer products than the best before it."""
     best = None
-    for key_box, query_box in pairs:
-        k_box = fit_tile(key_box, shape)
-        q_box = fit_tile(query_box, [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, k_box, kernel_size)])
-        ratio = geometry.issued_flops_ratio(shape, kernel_size, k_box, q_box, is_causal, stride, own="keys")
+    for box, scanned in pairs:
+        if own == "queries":
+            box, scanned = fitted_tiles(box, scanned, shape, kernel_size)
+        else:  # (a key box's queries: no more than the queries that see it)
+            box = fit_tile(box, shape)
+            scanned = fit_tile(scanned, [min(L, b + 2 * (K - 1)) for L, b, K in zip(shape, box, kernel_size)])
+        ratio = geometry.issued_flops_ratio(shape, kernel_size, box, scanned, is_causal, stride, own=own)
         if best is None or ratio < ALTERNATIVE_MARGIN * best[0]:
-            best = (ratio, k_box, q_box)
+            best = (ratio, box, scanned)
     return best[1], best[2]

@@ -235,7 +235,15 @@ def compile_all(arch, first_only=False, core=False):
                                  dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,
                                       SPLIT_FULL=True, **dual, **dil, **PLAIN_MASKS),
                                  dkdv_warps, dkdv_stages, dkdv_cap), "split dK/dV")
-            # A backward's other dK/dV pairs, which configs.fit_backward takes per call (slow run).
+            # A backward's other dQ and dK/dV pairs, which configs.fit_backward takes per call (slow run).
+            for alt_q, alt_k in (bwd or {}).get("dq_alternatives", ()) if not core else ():
+                alt = fits(compile_for(na3d_bwd_dq_kernel, target,
+                                       dict(base, HAS_DLSE=True, USE_TMA=use_tma, REDO=False, SPLIT_FULL=dq_split,
+                                            Q_T=alt_q[0], Q_H=alt_q[1], Q_W=alt_q[2], KV_T=alt_k[0], KV_H=alt_k[1],
+                                            KV_W=alt_k[2], **modes, **dil),
+                                       dq_warps, dq_stages, dq_cap), f"dQ {alt_q}/{alt_k}")
+                alt_instruction = product_instruction(arch, alt_q[0] * alt_q[1] * alt_q[2], dq_warps)
+                assert alt_instruction in alt.asm[asm], f"{arch} {bucket}: dQ {alt_q}/{alt_k} has no {alt_instruction}"
             for alt_k, alt_q in (bwd or {}).get("dkdv_alternatives", ()) if not core else ():
                 alt = fits(compile_for(na3d_bwd_dkdv_kernel, target,
                                        dict(base, ACCUMULATE_DQ=False, USE_TMA=use_tma, BULK_DQ=False, REDO=False,

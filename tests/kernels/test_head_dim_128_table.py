@@ -74,6 +74,8 @@ def test_head_dim_128_configs_match_oracle(bucket, name, option, dtype):
     if DEVICE == "cuda":  # the entry's other dK/dV pairs (on the CPU: test_backward's TABLE_PAIRS, slow run)
         variants |= {dataclasses.replace(bwd, dkdv_k_tile=tuple(k_box), dkdv_q_tile=tuple(q_box))
                      for k_box, q_box in option["backward"].get("dkdv_alternatives", ())}
+        variants |= {dataclasses.replace(bwd, dq_q_tile=tuple(q_box), dq_kv_tile=tuple(k_box))
+                     for q_box, k_box in option["backward"].get("dq_alternatives", ())}
     for variant in variants:
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=variant)

@@ -404,10 +404,11 @@ def tune_backward(entry: dict, members: List[dict], arch: str, args, timer, devi
         m: {"ms": round(step2[m][choice], 4), "best_ms": round(best[m], 4),
             "before_ms": round(step1[m].get(before, float("nan")), 4), "timing": timing_method(timer)}
         for m in names})
-    if bwd and bwd.get("dkdv_alternatives"):
-        # Not searched here (each candidate runs as one pair): kept, and taken per call
-        # where they issue fewer dK/dV products than the pair picked (configs.fit_backward).
-        entry["backward"]["dkdv_alternatives"] = bwd["dkdv_alternatives"]
+    for name in ("dq_alternatives", "dkdv_alternatives"):
+        if bwd and bwd.get(name):
+            # Not searched here (each candidate runs as one pair): kept, and taken per call
+            # where they issue fewer products than the pair picked (configs.fit_backward).
+            entry["backward"][name] = bwd[name]
     log(f"bucket {entry['bucket']} backward: {choice} (geomean slowdown {slow:.3f})")
     results: Dict[str, Dict[str, float]] = {}
     for m in names:
