@@ -35,8 +35,10 @@ ab base src; ab base src --kv-heads=1; ab s2 /tmp/s2/src --kv-heads=1; ab s4 /tm
 ab s4 /tmp/s4/src --kv-heads=1; ab s2 /tmp/s2/src --kv-heads=1; ab base src --kv-heads=1; ab base src
 python3 benchmarks/ab_gpu_time.py --summarize $OUT/ab.jsonl base s2 s4
 echo "=== the features on feature-hd128"
+# Merged into the committed results file of the same card only (an H200's rows start their own file in $OUT).
+MERGE=""; grep -q "H100" $OUT/env.txt && MERGE="--merge benchmarks/results/h100.json"
 timeout $((480 - SECONDS)) env PYTHONPATH=src python3 -m na3d.bench --features --backward --rounds 2 --no-flex \
-  --shapes feature-hd128 --commit $COMMIT --merge benchmarks/results/h100.json --out-dir $OUT > $OUT/features.log 2>&1
+  --shapes feature-hd128 --commit $COMMIT $MERGE --out-dir $OUT > $OUT/features.log 2>&1
 echo "features rc=$? at ${SECONDS}s"; grep -A9 "^feature  " $OUT/features.log
 echo "=== GPU tests of the split"
 timeout $((590 - SECONDS)) env PYTHONPATH=src python3 -m pytest -q -m "" -n 4 -p no:cacheprovider \

@@ -5,7 +5,7 @@
 Runs on the CPU from a committed results file. For every benchmark shape:
 
 * the fewest QK^T/PV products any box pair issues (query boxes of 16, 32, 64 or 128
-  queries, key boxes of 16-128 keys, power-of-two sides; ``geometry.tile_key_pairs_1d``
+  queries, key boxes of 16-128 keys, power-of-two sides; ``geometry.issued_pairs_1d``
   counts a box pair's products exactly, borders included), per query-box size: a
   tensor-core product has at least 16 rows on one warp (mma.sync) and 64 on a
   warpgroup (wgmma), and every key a box scans is multiplied by every query of it;

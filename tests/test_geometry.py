@@ -132,8 +132,8 @@ def test_causal_scans_cover_no_more_than_centered_ones():
         for bucket in configs.load_table("sm90")["forward"]:
             for _, entry in configs.bucket_options(bucket):
                 for L, K, a, b in zip(grid, (3, 5, 5), entry["q_tile"], entry["kv_tile"]):
-                    assert (geometry.tile_key_pairs_1d(L, K, a, b, is_causal=True)
-                            <= geometry.tile_key_pairs_1d(L, K, a, b))
+                    assert (geometry.issued_pairs_1d(L, K, a, b, is_causal=True)
+                            <= geometry.issued_pairs_1d(L, K, a, b))
     assert geometry.useful_pairs_1d(5, 3, is_causal=True) == 1 + 2 + 3 + 3 + 3
     mask = geometry.mask_1d(5, 3, is_causal=True)
     assert mask.sum().item() == geometry.useful_pairs_1d(5, 3, is_causal=True)

@@ -226,18 +226,22 @@ def neighborhood_mask(
     return mask.expand(*shape, *shape).reshape(n, n)
 
 
-def tile_key_pairs_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, is_causal: bool = False,
-                      stride: int = 1) -> int:
-    """Query-key pairs a tiled kernel computes along one dimension.
+def issued_pairs_1d(length: int, kernel_size: int, box: int, scanned_box: int, is_causal: bool = False,
+                    stride: int = 1, own: str = "queries") -> int:
+    """Query-key pairs a box-tiled kernel computes along one dimension.
 
-    Queries are cut into runs of ``q_tile``; each run scans the union of its
-    windows in steps of ``kv_tile`` keys (the last step may run past the union).
-    The 3-D count is the product of the three 1-D counts, so
-    ``prod(tile_key_pairs_1d) / prod(useful_pairs_1d)`` is the ratio of issued to
-    useful QK^T products of a kernel tiled that way.
+    ``own="queries"`` (the forward, dQ): queries cut into runs of ``box``, each
+    scanning the union of its windows in steps of ``scanned_box`` keys (the last
+    step may run past the union; :func:`key_scans_1d`). ``own="keys"`` (dK/dV): keys
+    cut into runs of ``box``, each scanning the queries that see it in steps of
+    ``scanned_box`` (:func:`query_scans_1d`). The 3-D count is the product of the
+    three 1-D counts (:func:`issued_flops_ratio`).
     """
-    return sum(q_tile * len(steps) * kv_tile
-               for _, steps in key_scans_1d(length, kernel_size, q_tile, kv_tile, is_causal, stride))
+    if own not in ("queries", "keys"):
+        raise ValueError(f"own must be 'queries' or 'keys', got {own!r}")
+    scans = key_scans_1d if own == "queries" else query_scans_1d
+    return sum(box * len(steps) * scanned_box
+               for _, steps in scans(length, kernel_size, box, scanned_box, is_causal, stride))
 
 
 def key_scans_1d(length: int, kernel_size: int, q_tile: int, kv_tile: int, is_causal: bool = False,
@@ -348,12 +352,9 @@ def issued_flops_ratio(
     ``box`` keys, each scanning the queries that see it from the first of them in
     boxes of ``scanned_box`` queries (:func:`query_scans_1d`). The two counts differ:
     the dK/dV kernel's is not the forward's with the boxes swapped."""
-    if own not in ("queries", "keys"):
-        raise ValueError(f"own must be 'queries' or 'keys', got {own!r}")
-    scans = key_scans_1d if own == "queries" else query_scans_1d
     issued = 1.0
     useful = 1.0
     for L, K, b, sb, c, s in zip(shape, kernel_size, box, scanned_box, is_causal, stride):
-        issued *= sum(b * len(steps) * sb for _, steps in scans(L, K, b, sb, c, s))
+        issued *= issued_pairs_1d(L, K, b, sb, c, s, own)
         useful *= useful_pairs_1d(L, K, c)
     return issued / useful
