@@ -562,7 +562,7 @@ class Bench:
 
         result["fwd"]["compute_ms"] = run.time_all(compute(False))
         result["fwd+bwd"]["compute_ms"] = run.time_all(compute(True))
-        del calls
+        calls = None  # (freed; compute's closures read it)
         with attention_replaced(no_attention):
             result["fwd"]["comm_ms"] = run.time_all(forward_only(fn, (q, k, v)))
             result["fwd+bwd"]["comm_ms"] = run.time_all(step(fn, leaves, do))

@@ -136,7 +136,7 @@ def main():
             if bwd_best is None or ms < bwd_best[0]:
                 bwd_best = (ms, bcfg)
         summary.append((name, "fwd+bwd", ms_f + bwd_best[0], sol_fb, bwd_best[1]))
-        del q, k, v, go, out, lse, ref
+        q = k = v = go = out = lse = ref = None  # (freed before the next shape; closures above read them)
         torch.cuda.empty_cache()
     print("\nshape                  pass      best ms   speed of light   x_sol   config")
     for name, pass_, ms, sol, cfg in summary:

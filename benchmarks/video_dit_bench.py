@@ -330,7 +330,7 @@ def dit_rows(family: str, name: str, spec: dict, timer, device, dtype, runs: int
     if "natten" in methods and family == "hunyuan":
         step["note"] = ("NATTEN's hopper-fna backward ignores the gradient of its log-sum-exps, which the merge "
                         "with the text tokens uses: its fwd+bwd time is a timing, its gradients are not exact")
-    del model, inputs, outputs
+    model = inputs = outputs = None  # (freed; the timed closures above read them)
     reset_peak(device)
     return [fwd, step]
 
@@ -386,7 +386,7 @@ def comfy_rows(shapes: List[dict], timer, gpu_timer, device, dtype, stamp: dict)
             if not row[key]:
                 del row[key]
         rows.append(row)
-        del q, k, v, outs
+        q = k = v = outs = None  # (freed before the next shape; the timed closures above read them)
     return rows
 
 
