@@ -13,7 +13,7 @@
 #   s4     dkdv_head_split 4: 4608 programs (17.5 waves), partial sums twice s2's
 # On feature-hd128 with MQA (--kv-heads 1) and without (the multi-head call, the bound), and on a shape of the
 # bucket's own boxes (4x4x8 keys on 8 warps): hd128-9x11x11 1x30x32x48, 8 heads (384 MQA programs, 2.9 waves).
-# Then the features on feature-hd128 with the peers' process (rows merged into results/h100.json), and the GPU
+# Then the features on feature-hd128 with the peers' process (rows merged into results/h100.json on an H100), and the GPU
 # tests of the split (tests/kernels/test_grouped_heads.py, every case).
 # Usage: bash benchmarks/gpu_session_v67.sh <commit of this tree> [seconds the call may run, default 600]   (no carry)
 # Under 500 seconds: the A/B and the split's tests only (the features on another call).
@@ -45,6 +45,7 @@ timeout $((480 - SECONDS)) env PYTHONPATH=src python3 -m na3d.bench --features -
 echo "features rc=$? at ${SECONDS}s"; grep -A9 "^feature  " $OUT/features.log
 fi
 echo "=== GPU tests of the split"
+[ $((LIMIT - 10 - SECONDS)) -lt 30 ] && echo "tests skipped (at ${SECONDS}s of ${LIMIT})" && exit 0
 timeout $((LIMIT - 10 - SECONDS)) env PYTHONPATH=src python3 -m pytest -q -m "" -n 4 -p no:cacheprovider \
   tests/kernels/test_grouped_heads.py > $OUT/gpu_tests.log 2>&1
 echo "tests rc=$? at ${SECONDS}s"; tail -3 $OUT/gpu_tests.log
