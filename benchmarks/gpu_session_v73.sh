@@ -16,8 +16,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee $OUT/env73.txt
 timeout 280 env PYTHONPATH=src:${PYTHONPATH:-} python3 -m na3d.bench --backward --rounds 2 --no-flex \
   --shapes ltx-stage1 ltx-stage3 ltx-stage4-tile --commit $COMMIT --out-dir $OUT/part1 > $OUT/bench-ltx-part1.log 2>&1
 echo "part 1 rc=$? at ${SECONDS}s"
-P1=$(ls $OUT/part1/*.json | head -1)
+# Part 2 merges part 1's rows; where part 1 wrote none (cut or failed), part 2 stands alone and says so.
+P1=$(ls $OUT/part1/*.json 2>/dev/null | head -1)
+MERGE=(); [ -n "$P1" ] && MERGE=(--merge "$P1") || echo "part 1 wrote no JSON: part 2 without its rows"
 timeout $((585 - SECONDS)) env PYTHONPATH=src:${PYTHONPATH:-} python3 -m na3d.bench --backward --rounds 2 --no-flex \
-  --shapes ltx-stage5-tile ltx-stage5-small edge-wide --commit $COMMIT --merge "$P1" --out-dir $OUT \
+  --shapes ltx-stage5-tile ltx-stage5-small edge-wide --commit $COMMIT "${MERGE[@]}" --out-dir $OUT \
   > $OUT/bench-ltx-part2.log 2>&1
 echo "part 2 rc=$? at ${SECONDS}s"; tail -12 $OUT/bench-ltx-part2.log
