@@ -23,7 +23,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import conftest  # noqa: E402,F401  (the interpreter on a CPU, and its patches, as in the tests)
+__import__("conftest")  # the interpreter on a CPU, and its patches, as in the tests
 import torch  # noqa: E402
 
 import na3d  # noqa: E402
