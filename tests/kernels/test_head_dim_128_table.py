@@ -41,6 +41,7 @@ def head_dim_128_options():
 
 
 OPTIONS = head_dim_128_options()
+OPTIONS_BY_NAME = {name: option for _, name, option in OPTIONS}
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float16]
 
 
@@ -102,3 +103,25 @@ def test_short_windows_at_head_dim_128_take_a_later_buckets_backward(kernel, dty
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=bwd)
     assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_dim_128_mqa_backward_as_the_table_states_it(dtype):
+    # MQA (four query heads on one key/value head) through the large window's backward as
+    # the table states it, its dK/dV head split included (dkdv_head_split: each key box's
+    # programs take a share of the query heads and their float32 partial sums add up after;
+    # measured on an H100, NOTES v51).
+    bucket = "dit_large_window"
+    grid, kernel = CASES[bucket]
+    option = dict(OPTIONS_BY_NAME[bucket])
+    bwd = configs.fit_backward(option["backward"], grid, kernel, bucket)
+    assert bwd.dkdv_head_split == option["backward"].get("dkdv_head_split", 1) > 1
+    shape, scale = (1, *grid, 4, 128), 128 ** -0.5
+    q, k, v = make_qkv(shape, dtype, device=DEVICE, seed=7)
+    k, v = k[..., :1, :], v[..., :1, :]
+    grad_out = make_qkv(shape, dtype, device=DEVICE, seed=8)[0]
+    out, lse = launch.na3d_forward(q, k, v, kernel, scale, out=torch.full_like(q, float("nan")), return_lse=True,
+                                   config=configs.forward_config("sm90", grid, kernel, 128, dtype))
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch.na3d_backward(grad_out, q, k, v, out, lse, kernel, scale, grads=grads, config=bwd)
+    assert_grads_match_oracle(grads, q, k, v, grad_out, kernel, scale, forward=(out, lse))
